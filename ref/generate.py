@@ -1,0 +1,125 @@
+"""Samplers (llama.cpp's chain and defaults) and the decode loop, shared by every engine.
+
+Chain order as llama.cpp: repeat penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+Dimensions: V vocab.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ref.errors import UserError
+
+REPEAT_LAST_N = 64  # llama.cpp's default window for the repeat penalty
+
+
+def check_sampling(max_new_tokens=0, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0) -> None:
+    """One-line errors naming the CLI flag for out-of-range sampling settings."""
+    if max_new_tokens < 0:
+        raise UserError(f"-n/--n-predict must be >= 0, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise UserError(f"--temp must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 turns it off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise UserError(f"--min-p must be in [0, 1], got {min_p}")
+    if not repeat_penalty > 0:
+        raise UserError(f"--repeat-penalty must be > 0, got {repeat_penalty}")
+
+
+def check_prompt(ids, cfg, ctx_size=None) -> int:
+    """The context size to use (the model's when `ctx_size` is 0 or None); the prompt must fit in it."""
+    ctx = ctx_size or cfg.max_seq_len
+    if not 0 < ctx <= cfg.max_seq_len:
+        raise UserError(f"-c/--ctx-size {ctx} exceeds the model's context of {cfg.max_seq_len}" if ctx > 0
+                        else f"-c/--ctx-size must be >= 0, got {ctx}")
+    if not len(ids):
+        raise UserError("empty prompt: nothing to condition on")
+    if len(ids) > ctx:
+        raise UserError(f"prompt of {len(ids)} tokens is longer than the context ({ctx})")
+    return ctx
+
+
+def apply_repeat_penalty(logits: np.ndarray, history, penalty: float) -> np.ndarray:
+    """Divide positive, multiply negative logits of tokens seen in the last REPEAT_LAST_N (CTRL's penalty)."""
+    if penalty == 1.0 or not len(history):
+        return logits
+    out = logits.copy()
+    seen = np.unique(np.asarray(history[-REPEAT_LAST_N:], dtype=np.int64))
+    out[seen] = np.where(out[seen] > 0, out[seen] / penalty, out[seen] * penalty)
+    return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def sample(logits: np.ndarray, history, rng: np.random.Generator, temperature=0.0, top_k=40, top_p=0.95,
+           min_p=0.05, repeat_penalty=1.0) -> int:
+    """One token id from logits [V]; temperature 0 is greedy (argmax after the repeat penalty)."""
+    logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float64), history, repeat_penalty)  # [V]
+    if temperature == 0:
+        return int(np.argmax(logits))
+    order = np.argsort(-logits, kind="stable")  # candidates, most likely first
+    if top_k > 0:
+        order = order[:top_k]
+    if top_p < 1:
+        cum = np.cumsum(softmax(logits[order]))
+        order = order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest prefix reaching top_p
+    if min_p > 0:
+        p = softmax(logits[order])
+        order = order[p >= min_p * p[0]]
+    p = softmax(logits[order] / temperature)
+    i = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
+    return int(order[min(i, len(order) - 1)])
+
+
+@dataclass
+class Timings:
+    """Seconds and tokens of the prompt pass and of the decode steps, for llama.cpp-style reports."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    eval_tokens: int = 0
+    eval_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+             seed=None, ctx_size=None, on_token=None, timings: Timings | None = None) -> list[int]:
+    """New token ids after the prompt `ids`; stops at EOS (not returned), `max_new_tokens`, or when prompt and
+    output fill the context.
+
+    `model` is any engine with `config`, `new_cache(capacity)` and `forward(ids, cache) -> logits [T, V]`.
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
+    cfg = model.config
+    ctx = check_prompt(ids, cfg, ctx_size)
+    ids = [int(i) for i in ids]
+    if max_new_tokens == 0:
+        return []
+    timings = timings if timings is not None else Timings()
+    rng = np.random.default_rng(seed)
+    cache = model.new_cache(min(ctx, len(ids) + max_new_tokens))
+    t0 = time.perf_counter()
+    logits = model.forward(ids, cache)[-1]  # [V]
+    timings.prompt_tokens, timings.prompt_seconds = len(ids), time.perf_counter() - t0
+    out: list[int] = []
+    t0 = time.perf_counter()
+    while True:
+        tok = sample(logits, ids + out, rng, temperature, top_k, top_p, min_p, repeat_penalty)
+        if tok in cfg.eos_token_ids:
+            break
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if len(out) == max_new_tokens or len(ids) + len(out) == ctx:
+            break
+        logits = model.forward([tok], cache)[-1]
+        timings.eval_tokens += 1
+    timings.eval_seconds = time.perf_counter() - t0
+    return out

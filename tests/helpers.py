@@ -1,0 +1,94 @@
+"""Shared test helpers: the one comparison helper and random HF-layout model folders."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "data" / "tiny-relu-llama"
+
+SMALL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "relu",
+    "hidden_size": 32, "intermediate_size": 100, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "vocab_size": 50, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float16",
+}
+
+
+def assert_close(actual, expected, rtol=1e-4, atol=0.0, name="value"):
+    """Shape, dtype-agnostic ‖a−b‖/‖b‖ ≤ rtol (plus atol); prints max abs diff and first values on failure."""
+    a, b = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    assert a.shape == b.shape, f"{name}: shape {a.shape} != {b.shape}"
+    if a.size == 0:
+        return
+    err = np.linalg.norm(a - b)
+    ref = np.linalg.norm(b)
+    assert err <= rtol * ref + atol, (
+        f"{name}: ‖a−b‖/‖b‖ = {err / max(ref, 1e-300):.3e} > {rtol:.1e}; max |a−b| = {np.abs(a - b).max():.3e}\n"
+        f"  actual   {a.ravel()[:6]}\n  expected {b.ravel()[:6]}")
+
+
+def random_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """HF-named float32 weights for a LLaMA config, scaled so activations stay O(1)."""
+    rng = np.random.default_rng(seed)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    H, K = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    E = cfg.get("head_dim") or D // H
+    mat = lambda o, i: (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)  # noqa: E731
+    t = {"model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+         "model.norm.weight": (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)}
+    if not cfg.get("tie_word_embeddings", False):
+        t["lm_head.weight"] = mat(V, D)
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        t[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        t[p + "post_attention_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        t[p + "self_attn.q_proj.weight"] = mat(H * E, D)
+        t[p + "self_attn.k_proj.weight"] = mat(K * E, D)
+        t[p + "self_attn.v_proj.weight"] = mat(K * E, D)
+        t[p + "self_attn.o_proj.weight"] = mat(D, H * E)
+        t[p + "mlp.gate_proj.weight"] = mat(F, D)
+        t[p + "mlp.up_proj.weight"] = mat(F, D)
+        t[p + "mlp.down_proj.weight"] = mat(D, F)
+    return t
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "F16") -> None:
+    """Write a safetensors file by hand (the numpy binding cannot write bf16)."""
+    header, blobs, offset = {}, [], 0
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if dtype == "BF16":
+            bits = arr.view(np.uint32)
+            blob = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()  # round to nearest even
+        else:
+            blob = arr.astype({"F16": np.float16, "F32": np.float32}[dtype]).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+
+
+def write_model(folder: Path, overrides: dict | None = None, dtype: str = "F16", shards: int = 1, seed: int = 0,
+                tensors: dict | None = None) -> Path:
+    """A random model folder in HF layout (config.json plus one file or `shards` shards with an index)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {**SMALL_CONFIG, **(overrides or {})}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = random_tensors(cfg, seed) if tensors is None else tensors
+    if shards == 1:
+        write_safetensors(folder / "model.safetensors", tensors, dtype)
+        return folder
+    names = list(tensors)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        write_safetensors(folder / fname, part, dtype)
+        weight_map.update({n: fname for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
