@@ -85,3 +85,18 @@ def print_timings(load_seconds: float, t: Timings) -> None:
     line("eval time", t.eval_seconds, t.eval_tokens, "runs  ")
     total = load_seconds + t.prompt_seconds + t.eval_seconds
     click.echo(f"{'total time':>18} = {total * 1e3:10.2f} ms / {t.prompt_tokens + t.eval_tokens:5d} tokens", err=True)
+
+
+SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+
+
+def resolve_corpus(path: Path | None, split: str) -> Path:
+    """A corpus text file: `path` itself, `path/<split>`, or the shared TinyStories split when it exists."""
+    if path is None:
+        if not SHARED_CORPUS.is_dir():
+            raise UserError(f"--corpus: no default corpus ({SHARED_CORPUS} does not exist); pass --corpus PATH")
+        path = SHARED_CORPUS
+    file = path / split if path.is_dir() else path
+    if not file.is_file():
+        raise UserError(f"--corpus: {file} not found")
+    return file

@@ -39,12 +39,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndar
     S, K, _ = k.shape
     out = np.empty_like(q)  # [T, H, E]
     visible = np.arange(S)[None, :] <= (pos0 + np.arange(T))[:, None]  # [T, S]
+    q, k, v = (np.ascontiguousarray(a.transpose(1, 0, 2)) for a in (q, k, v))  # head-major: BLAS needs contiguity
     for h in range(H):
         kv = h // (H // K)
-        scores = q[:, h, :] @ k[:, kv, :].T / np.sqrt(E)  # [T, S]
+        scores = q[h] @ k[kv].T / np.sqrt(E)  # [T, S]
         scores = np.where(visible, scores, -np.inf)
         p = np.exp(scores - scores.max(-1, keepdims=True))
-        out[:, h, :] = (p / p.sum(-1, keepdims=True)) @ v[:, kv, :]
+        out[:, h, :] = (p / p.sum(-1, keepdims=True)) @ v[kv]  # [T, E]
     return out
 
 
@@ -117,12 +118,17 @@ class Model:
         att = attention(q, cache.k[l, :s0 + T], cache.v[l, :s0 + T], s0)  # [T, H, E]
         return att.reshape(T, -1) @ self.w(p + "wo").T  # [T, D]
 
+    def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Gate and up pre-activations Wg x, Wu x [T, F] with x = rmsnorm(h).  h: [T, D]."""
+        p = f"layers.{l}."
+        x = rmsnorm(h, self.w(p + "ffn_norm"), self.config.rms_norm_eps)  # [T, D]
+        return x @ self.w(p + "wg").T, x @ self.w(p + "wu").T
+
     def dense_ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
         """y = Wd a(Wg x, Wu x) with x = rmsnorm(h).  h: [T, D] residual stream entering the FFN block."""
-        c, p = self.config, f"layers.{l}."
-        x = rmsnorm(h, self.w(p + "ffn_norm"), c.rms_norm_eps)  # [T, D]
-        g, u = x @ self.w(p + "wg").T, x @ self.w(p + "wu").T  # [T, F]
-        return ffn_activation(c.ffn_kind, g, u, c.act_threshold) @ self.w(p + "wd").T  # [T, D]
+        c = self.config
+        g, u = self.ffn_gate_up(l, h)  # [T, F]
+        return ffn_activation(c.ffn_kind, g, u, c.act_threshold) @ self.w(f"layers.{l}.wd").T  # [T, D]
 
     def forward(self, ids, cache: KVCache) -> np.ndarray:
         """Logits [T, V] for `ids` following the cached positions; the cache grows by T."""

@@ -33,7 +33,8 @@ HF_NAMES = {
 # Buffers some exports carry that hold nothing the model needs (RoPE frequencies are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-DTYPES = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
+DTYPES = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -58,8 +59,8 @@ def hf_name(name: str) -> str:
     return HF_NAMES[name]
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """The safetensors JSON header and the offset where tensor data starts; checks the file is whole."""
+def read_header(path: Path) -> tuple[dict, int, dict]:
+    """The safetensors tensor entries, the offset where tensor data starts, and the metadata; checks the file is whole."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -72,16 +73,18 @@ def read_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{path}: corrupt safetensors header") from None
-    header.pop("__metadata__", None)
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: corrupt safetensors header")
+    metadata = header.pop("__metadata__", None) or {}
     end = max((t["data_offsets"][1] for t in header.values()), default=0)
     if 8 + n + end > size:
         raise UserError(f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + n + end})")
-    return header, 8 + n
+    return header, 8 + n, metadata
 
 
 def open_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Memory-map every tensor of a file in its stored dtype (bf16 as raw uint16, see `upcast`)."""
-    header, start = read_header(path)
+    header, start, _ = read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for name, t in header.items():
@@ -166,6 +169,8 @@ class Weights:
             raise UserError(f"{model_dir}: {len(extra)} unexpected tensor(s), first {extra[0]}")
         tensors = {}
         for hf, ours in wanted.items():
+            if not (isinstance(found[hf], BF16) or np.issubdtype(found[hf].dtype, np.floating)):
+                raise UserError(f"{where[hf]}: tensor {hf} has dtype {found[hf].dtype}, weights must be floating point")
             if tuple(found[hf].shape) != shapes[ours]:
                 raise UserError(f"{where[hf]}: tensor {hf} has shape {tuple(found[hf].shape)}, config.json implies {shapes[ours]}")
             tensors[ours] = found[hf]

@@ -1,0 +1,199 @@
+"""Activation profiling (PowerInfer section 5.1): how often each FFN neuron fires on a corpus, and
+(FFN-block input, fired mask) samples for predictor training.
+
+Both stream the corpus window by window: memory is fixed by the counts and the reservoir, not the corpus.
+Dimensions: T window tokens, D d_model, F FFN neurons, L layers, N reservoir samples.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ref.artifacts import atomic_save, layer_keys, sha256_file, sha256_files
+from ref.errors import UserError
+from ref.model import Model, ffn_activation, fired
+from ref.progress import Progress
+from ref.weights import checkpoint_files, open_safetensors, read_header
+
+CHUNK_BYTES = 1 << 20
+
+
+def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = None):
+    """Yield (ids [<= window], fraction of the file read): BOS then up to window-1 corpus tokens."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: corpus file not found")
+    size = max(path.stat().st_size, 1)
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    body = window - len(bos)
+    buf: list[int] = []
+    sent = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        read = 0
+        while True:
+            text = f.read(CHUNK_BYTES)
+            if text:
+                text += f.readline()  # end the chunk at a line boundary so no word is split
+                read += len(text.encode("utf-8"))
+                buf.extend(tokenizer.encode(text)[len(bos):])
+            while len(buf) >= body or (not text and buf):
+                n = min(body, len(buf))
+                if max_tokens is not None:
+                    n = min(n, max_tokens - sent)
+                yield np.asarray(bos + buf[:n], dtype=np.int64), min(read / size, 1.0)
+                sent += n
+                del buf[:n]
+                if max_tokens is not None and sent >= max_tokens:
+                    return
+            if not text:
+                return
+
+
+def observe_ffn(model: Model, observer) -> Model:
+    """Dense FFN that also reports observer(l, h [T, D], fired mask [T, F]): the profiling transform."""
+    c = model.config
+    fired(c.ffn_kind, np.zeros(1), np.zeros(1))  # only kinds with activation sparsity can be profiled
+
+    def block(l, h):
+        g, u = model.ffn_gate_up(l, h)  # [T, F]
+        observer(l, h, fired(c.ffn_kind, g, u, c.act_threshold))
+        return ffn_activation(c.ffn_kind, g, u, c.act_threshold) @ model.w(f"layers.{l}.wd").T
+
+    model.ffn_block = block
+    return model
+
+
+def run_corpus(model: Model, windows, label: str, total_tokens: int | None) -> int:
+    """Run every window through the model (fresh cache each); returns the tokens seen."""
+    progress = Progress(label, total_tokens or 1.0)
+    tokens = 0
+    for ids, frac in windows:
+        model.forward(ids, model.new_cache(len(ids)))
+        tokens += len(ids)
+        progress.update(len(ids), done=tokens if total_tokens else frac)
+    progress.close()
+    return tokens
+
+
+def profile_activations(model: Model, windows, total_tokens: int | None = None) -> tuple[np.ndarray, int]:
+    """Per-layer firing counts [L, F] int64 and the number of tokens profiled."""
+    c = model.config
+    counts = np.zeros((c.n_layers, c.d_ffn), dtype=np.int64)  # [L, F]
+
+    def count(l, h, mask):
+        counts[l] += mask.sum(0)
+
+    saved = model.ffn_block
+    observe_ffn(model, count)
+    try:
+        tokens = run_corpus(model, windows, "profile", total_tokens)
+    finally:
+        model.ffn_block = saved
+    return counts, tokens
+
+
+class Reservoir:
+    """Uniform sample of N tokens' (h [D], fired mask [F]) per layer (Vitter's algorithm R), the same tokens in
+    every layer. Masks are bit-packed: a LLaMA-7B-shaped reservoir costs N * L * (4D + F/8) bytes."""
+
+    def __init__(self, n_layers: int, d_model: int, d_ffn: int, capacity: int, seed: int):
+        self.h = np.zeros((n_layers, capacity, d_model), np.float32)  # [L, N, D]
+        self.bits = np.zeros((n_layers, capacity, (d_ffn + 7) // 8), np.uint8)  # [L, N, F/8]
+        self.d_ffn, self.capacity, self.seen = d_ffn, capacity, 0
+        self.rng = np.random.default_rng(seed)
+        self.slots = np.empty(0, np.int64)
+
+    @property
+    def n_layers(self) -> int:
+        return self.h.shape[0]
+
+    @staticmethod
+    def bytes_per_sample(n_layers: int, d_model: int, d_ffn: int) -> int:
+        return n_layers * (4 * d_model + (d_ffn + 7) // 8)
+
+    def next_window(self, T: int) -> None:
+        """Decide which of the next T tokens enter the reservoir, and where (-1: dropped)."""
+        k = self.seen + np.arange(T)
+        slots = np.where(k < self.capacity, k, -1)
+        late = k >= self.capacity
+        j = self.rng.integers(0, k[late] + 1)
+        slots[late] = np.where(j < self.capacity, j, -1)
+        self.slots, self.seen = slots, self.seen + T
+
+    def add(self, l: int, h: np.ndarray, mask: np.ndarray) -> None:
+        keep = self.slots >= 0
+        self.h[l, self.slots[keep]] = h[keep]
+        self.bits[l, self.slots[keep]] = np.packbits(mask[keep], axis=-1)
+
+    def layer(self, l: int) -> tuple[np.ndarray, np.ndarray]:
+        """(h [n, D] float32, mask [n, F] bool) of layer l."""
+        n = min(self.seen, self.capacity)
+        return self.h[l, :n], np.unpackbits(self.bits[l, :n], axis=-1, count=self.d_ffn).astype(bool)
+
+
+def collect_samples(model: Model, windows, capacity: int, seed: int = 0, total_tokens: int | None = None) -> Reservoir:
+    """Sample (FFN-block input before the norm, fired mask) pairs per layer over a corpus."""
+    c = model.config
+    res = Reservoir(c.n_layers, c.d_model, c.d_ffn, capacity, seed)
+
+    def windows_with_slots():
+        for ids, frac in windows:
+            res.next_window(len(ids))
+            yield ids, frac
+
+    saved = model.ffn_block
+    observe_ffn(model, lambda l, h, mask: res.add(l, h, mask))
+    try:
+        run_corpus(model, windows_with_slots(), "collect", total_tokens)
+    finally:
+        model.ffn_block = saved
+    return res
+
+
+def model_sha256(model_dir: Path) -> str:
+    return sha256_files(checkpoint_files(Path(model_dir)))
+
+
+def save_activations(path: Path, counts: np.ndarray, tokens: int, corpus: Path, model_dir: Path) -> None:
+    tensors = {f"layers.{l}.counts": counts[l].astype(np.int64) for l in range(len(counts))}
+    tensors["tokens"] = np.array([tokens], dtype=np.int64)
+    meta = {"corpus": json.dumps(Path(corpus).name), "corpus_sha256": json.dumps(sha256_file(corpus)),
+            "model_sha256": json.dumps(model_sha256(model_dir))}
+    atomic_save(path, tensors, meta)
+
+
+def load_activations(path: str | Path, n_layers: int | None = None, d_ffn: int | None = None) -> tuple[np.ndarray, int, dict]:
+    """(counts [L, F] int64, tokens, metadata), checked against the expected layer count and F when given."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: activations file not found")
+    tensors = open_safetensors(path)
+    meta = read_header(path)[2]
+    if "tokens" not in tensors:
+        raise UserError(f"{path}: no 'tokens' tensor (not an activations file?)")
+    n = layer_keys(path, tensors, ("counts",), others=("tokens",))
+    if n_layers is not None and n != n_layers:
+        raise UserError(f"{path}: activations for {n} layers, the model has {n_layers}")
+    shapes = {tuple(tensors[f"layers.{l}.counts"].shape) for l in range(n)}
+    F = d_ffn if d_ffn is not None else next(iter(shapes), (0,))[0]
+    if shapes != {(F,)}:
+        raise UserError(f"{path}: counts of shape {sorted(shapes)[0]}, expected ({F},) per layer")
+    counts = np.stack([np.asarray(tensors[f"layers.{l}.counts"], dtype=np.int64) for l in range(n)])
+    tokens = int(np.asarray(tensors["tokens"]).reshape(-1)[0])
+    if counts.min(initial=0) < 0 or counts.max(initial=0) > tokens:
+        raise UserError(f"{path}: counts outside [0, tokens={tokens}]")
+    return counts, tokens, meta
+
+
+def firing_stats(counts: np.ndarray, tokens: int) -> list[dict]:
+    """Per layer: mean fired fraction per token, fraction of neurons covering 80% of firings, share of the top 1%."""
+    out = []
+    for l, c in enumerate(counts):
+        s = np.sort(c)[::-1].astype(np.float64)
+        total = max(s.sum(), 1.0)
+        cover = int(np.searchsorted(np.cumsum(s) / total, 0.8)) + 1
+        top = max(1, int(round(0.01 * len(s))))
+        out.append({"layer": l, "fired_fraction": s.sum() / max(tokens, 1) / len(s),
+                    "neurons_for_80pct": cover / len(s), "top1pct_share": s[:top].sum() / total})
+    return out

@@ -1,0 +1,60 @@
+"""Accuracy of sparse execution: perplexity for dense, predictor-sparse and oracle-sparse, and per-layer recall."""
+
+import json
+from pathlib import Path
+
+import click
+
+from ref.cli import check_model_dir, resolve_corpus, user_errors
+from ref.evaluate import measure_predictors, perplexity
+from ref.model import load_model
+from ref.profile import corpus_windows
+from ref.sparse import apply_oracle, apply_predictors
+from ref.tokenizer import load_tokenizer
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
+@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding val.txt [default: ../shared/corpus].")
+@click.option("--max-tokens", type=int, default=None, help="Score at most this many tokens.")
+@click.option("--window", type=int, default=256, show_default=True)
+@click.option("--predictor-threshold", type=float, default=None, help="Override the stored threshold.")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON.")
+@user_errors
+def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold, json_file):
+    """Perplexity on held-out text for dense, predictor-sparse and oracle-sparse execution."""
+    check_model_dir(model_dir)
+    corpus = resolve_corpus(corpus, "val.txt")
+    predictors = predictors or model_dir / "predictors.safetensors"
+    tok = load_tokenizer(model_dir)
+
+    def windows():
+        return corpus_windows(tok, corpus, window, max_tokens)
+
+    dense = load_model(model_dir)
+    ppl_dense, n = perplexity(dense, windows(), "dense")
+    ppl_oracle, _ = perplexity(apply_oracle(load_model(model_dir)), windows(), "oracle")
+    sparse = apply_predictors(load_model(model_dir), predictors, predictor_threshold)
+    ppl_pred, _ = perplexity(sparse, windows(), "predictor")
+    layers = measure_predictors(sparse, windows())
+
+    click.echo(f"{n:,} tokens of {corpus}")
+    click.echo("execution        | perplexity | vs dense")
+    for name, p in (("dense", ppl_dense), ("oracle-sparse", ppl_oracle), ("predictor-sparse", ppl_pred)):
+        click.echo(f"{name:16} | {p:10.4f} | {p / ppl_dense - 1:+.4%}")
+    click.echo("layer | recall | precision | predicted | fired | predicted/fired")
+    for r in layers:
+        click.echo(f"{r['layer']:5d} | {r['recall']:6.3f} | {r['precision']:9.3f} | {r['predicted_fraction']:9.1%} | "
+                   f"{r['fired_fraction']:5.1%} | {r['predicted_fraction'] / max(r['fired_fraction'], 1e-12):15.2f}")
+    mean = lambda k: sum(r[k] for r in layers) / len(layers)  # noqa: E731
+    click.echo(f" mean | {mean('recall'):6.3f} | {mean('precision'):9.3f} | {mean('predicted_fraction'):9.1%} | "
+               f"{mean('fired_fraction'):5.1%} | threshold {sparse.predictor_threshold}")
+    if json_file:
+        out = {"tokens": n, "perplexity": {"dense": ppl_dense, "oracle": ppl_oracle, "predictor": ppl_pred},
+               "threshold": sparse.predictor_threshold, "layers": layers}
+        json_file.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
