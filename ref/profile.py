@@ -98,8 +98,9 @@ class Reservoir:
     every layer. Masks are bit-packed: a LLaMA-7B-shaped reservoir costs N * L * (4D + F/8) bytes."""
 
     def __init__(self, n_layers: int, d_model: int, d_ffn: int, capacity: int, seed: int):
-        self.h = np.zeros((n_layers, capacity, d_model), np.float32)  # [L, N, D]
-        self.bits = np.zeros((n_layers, capacity, (d_ffn + 7) // 8), np.uint8)  # [L, N, F/8]
+        # np.full, not np.zeros: touch every page now, so the memory a run needs shows at its start.
+        self.h = np.full((n_layers, capacity, d_model), 0, np.float32)  # [L, N, D]
+        self.bits = np.full((n_layers, capacity, (d_ffn + 7) // 8), 0, np.uint8)  # [L, N, F/8]
         self.d_ffn, self.capacity, self.seen = d_ffn, capacity, 0
         self.rng = np.random.default_rng(seed)
         self.slots = np.empty(0, np.int64)

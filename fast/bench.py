@@ -1,0 +1,140 @@
+"""Decode benchmark pieces: synthetic real-shape models, power-law active sets, and a read-bandwidth probe.
+
+Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V vocab, L layers, R predictor hidden.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from fast import cpu
+from fast.engine import Engine, Layer, PredictorSelect
+from ref.config import ModelConfig
+from ref.sparse import Predictors
+
+F32 = np.float32
+SHAPES = {
+    # name: (D, F, layers, heads, kv heads, vocab)
+    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000),
+    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
+    "tiny": (256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
+}
+
+
+def shape_config(name: str, layers: int | None = None) -> ModelConfig:
+    D, F, L, H, K, V = SHAPES[name]
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "relu", "hidden_size": D, "intermediate_size": F,
+        "num_hidden_layers": layers or L, "num_attention_heads": H, "num_key_value_heads": K, "vocab_size": V,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"})
+
+
+def random_engine(cfg: ModelConfig, threads: int, seed: int = 0) -> Engine:
+    """Random float32 weights laid out as Engine.load lays out a checkpoint (values scaled to keep activations O(1))."""
+    rng = np.random.default_rng(seed)
+    D, F, E = cfg.d_model, cfg.d_ffn, cfg.head_dim
+
+    def mat(*shape):
+        return (rng.random(shape, dtype=F32) - F32(0.5)) * F32(2 * np.sqrt(3 / shape[-1]))
+
+    layers = [Layer(np.ones(D, F32), mat((cfg.n_heads + 2 * cfg.n_kv_heads) * E, D), mat(D, cfg.n_heads * E),
+                    np.ones(D, F32), mat(F, 3, D)) for _ in range(cfg.n_layers)]
+    return Engine(cfg, layers, mat(cfg.vocab_size, D), np.ones(D, F32), mat(cfg.vocab_size, D), threads)
+
+
+def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
+    """The largest ladder size R with all layers' predictors within the paper's 10% of parameters."""
+    per_layer = budget_fraction * cfg.n_params / cfg.n_layers
+    return max(r for r in (16, 32, 64, 128, 256, 512, 1024) if r * (cfg.d_model + cfg.d_ffn) <= per_layer)
+
+
+class SyntheticSelect(PredictorSelect):
+    """Runs the real-size predictor (its cost is real), then uses an active set drawn from a power-law neuron
+    frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1."""
+
+    def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, seed: int = 0, pool: int = 32, alpha: float = 1.0):
+        super().__init__(pred, 0.0, cfg.d_ffn)
+        rng = np.random.default_rng(seed)
+        F = cfg.d_ffn
+        target = (1 - sparsity) * F
+        base = 1.0 / np.arange(1, F + 1) ** alpha
+        lo, hi = 0.0, F / base.sum() * 1e3
+        for _ in range(60):  # scale so that sum(min(1, s p)) = target
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if np.minimum(1, mid * base).sum() < target else (lo, mid)
+        p = np.minimum(1, lo * base)
+        # Per layer a fixed permutation decides which neurons are hot; each token draws neuron i with p[perm[i]].
+        self.sets = [[np.flatnonzero(rng.random(F) < p[perm]).astype(np.int32) for _ in range(pool)]
+                     for perm in (rng.permutation(F) for _ in range(cfg.n_layers))]
+        self.step = 0
+
+    def __call__(self, l, h):
+        super().__call__(l, h)
+        s = self.sets[l][self.step % len(self.sets[l])]
+        if l == len(self.sets) - 1:
+            self.step += 1
+        return s, len(s)
+
+    def mean_active(self) -> float:
+        return float(np.mean([len(s) for layer in self.sets for s in layer]))
+
+
+def synthetic_predictors(cfg: ModelConfig, R: int, seed: int = 0) -> Predictors:
+    rng = np.random.default_rng(seed)
+    return Predictors([(rng.random((R, cfg.d_model), dtype=F32) - F32(0.5)) for _ in range(cfg.n_layers)],
+                      [(rng.random((cfg.d_ffn, R), dtype=F32) - F32(0.5)) for _ in range(cfg.n_layers)], 0.0, {})
+
+
+def read_bandwidth(gib: float = 2.0, repeats: int = 5) -> dict:
+    """Best-of-several streaming-read probes in GB/s: numba prange with 4 rows in flight per worker, and numpy."""
+    cols = 1 << 14
+    rows = int(gib * 2**30 / 4 / cols) // 4 * 4
+    a = np.ones((rows, cols), F32)
+    out = np.empty(rows // 4, F32)
+    cpu.read_bandwidth_probe(out, a)  # compile and fault the pages in
+    best = {"numba": 0.0, "numpy": 0.0}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        cpu.read_bandwidth_probe(out, a)
+        best["numba"] = max(best["numba"], a.nbytes / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        a.sum(dtype=F32)
+        best["numpy"] = max(best["numpy"], a.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+@dataclass
+class DecodeResult:
+    tok_s: list  # per run
+    bytes_per_token: float
+
+
+def bytes_per_token(engine: Engine, active_neurons: float, predictor_params: int) -> float:
+    """Weight bytes a decode step reads: attention, the active FFN bundles, predictors, lm_head."""
+    c, L0 = engine.config, engine.layers[0]
+    attn = (L0.wqkv.size + L0.wo.size) * 4
+    ffn = active_neurons * 3 * c.d_model * 4
+    return c.n_layers * (attn + ffn) + predictor_params * 4 + engine.lm_head.nbytes
+
+
+def time_decode(engine: Engine, tokens: int, runs: int) -> list[float]:
+    """Decode tok/s of `runs` runs of `tokens` steps each, after one warm-up run."""
+    out = []
+    for r in range(runs + 1):
+        cache = engine.new_cache(tokens + 1)
+        engine.forward([1], cache)
+        t0 = time.perf_counter()
+        for i in range(tokens):
+            engine.forward([(7 * i + r) % engine.config.vocab_size], cache)
+        if r:
+            out.append(tokens / (time.perf_counter() - t0))
+    return out
+
+
+def overhead_per_token(cfg: ModelConfig, threads: int, tokens: int = 32) -> float:
+    """Seconds per decode step of the same depth with near-empty matrices: Python and kernel-dispatch overhead."""
+    tiny = ModelConfig(**{**cfg.__dict__, "d_model": 16, "d_ffn": 16, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8,
+                          "vocab_size": 16})
+    e = random_engine(tiny, threads)
+    return 1.0 / np.median(time_decode(e, tokens, 5))

@@ -1,0 +1,61 @@
+"""`python -m fast.run [MODEL_DIR] -p PROMPT -n N`: generate with the fast engine, llama.cpp-style."""
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from fast.engine import DEVICES, Engine
+from ref.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
+from ref.errors import UserError
+from ref.generate import Timings, check_prompt, check_sampling
+from ref.tokenizer import load_tokenizer
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@sampling_options
+@click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: all cores].")
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid).")
+@click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors).")
+@click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
+@click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold.")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
+@user_errors
+def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_penalty, ctx_size, threads, device,
+         vram_budget, dense, predictors, predictor_threshold, json_file):
+    """Generate text from MODEL_DIR (default: the shipped model) with the numba engine."""
+    check_sampling(n_predict, temp, top_k, top_p, min_p, repeat_penalty)
+    check_model_dir(model_dir)
+    if dense and predictors is not None:
+        raise UserError("--dense and --predictors contradict each other")
+    if predictors is None and not dense and (model_dir / "predictors.safetensors").is_file():
+        predictors = model_dir / "predictors.safetensors"
+    t0 = time.perf_counter()
+    engine = Engine.load(model_dir, device=device, predictors=predictors, vram_budget=vram_budget, threads=threads,
+                         predictor_threshold=predictor_threshold)
+    tok = load_tokenizer(model_dir)
+    load_seconds = time.perf_counter() - t0
+    ids = tok.encode(prompt)
+    check_prompt(ids, engine.config, ctx_size)
+    seed = resolve_seed(seed)
+    mode = f"sparse ({predictors}, threshold {engine.predictor_threshold})" if predictors else "dense"
+    click.echo(f"seed = {seed}; {engine.threads} threads; FFN {mode}; kernels ready in {engine.compile_seconds:.2f} s", err=True)
+    click.echo(prompt, nl=False)
+    timings = Timings()
+    out = engine.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=seed, ctx_size=ctx_size or None,
+                          on_token=Streamer(tok), timings=timings)
+    print_timings(load_seconds, timings)
+    if json_file:
+        json_file.write_text(json.dumps({
+            "load_seconds": load_seconds, "compile_seconds": engine.compile_seconds, "threads": engine.threads,
+            "sparse": bool(predictors), "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
+            "eval_tokens": timings.eval_tokens, "eval_seconds": timings.eval_seconds,
+            "eval_tok_s": timings.eval_tokens / timings.eval_seconds if timings.eval_seconds else 0.0,
+            "generated": len(out)}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

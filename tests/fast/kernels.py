@@ -1,0 +1,108 @@
+"""Each fast kernel beside its ref twin: fresh random inputs -> (run the fast kernel from a module, ref's answer).
+
+One table serves the CPU kernels now and the GPU kernels, which mirror the same names and signatures.
+"""
+
+import numpy as np
+
+from ref.model import attention as ref_attention
+from ref.model import rmsnorm as ref_rmsnorm
+from ref.model import rope as ref_rope
+from ref.sparse import predicted_set as ref_predicted_set
+from ref.sparse import predictor_logits, sparse_ffn as ref_sparse_ffn
+
+F32 = np.float32
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(F32)
+
+
+def case_rmsnorm(rng, T, D):
+    x, w = randn(rng, T, D, scale=3), randn(rng, D)
+    out = np.empty_like(x)
+    return lambda k: (k.rmsnorm(out, x, w, 1e-5), out)[1], ref_rmsnorm(x, w, 1e-5)
+
+
+def case_matmul(rng, T, N, K):
+    x, w = randn(rng, T, K), randn(rng, N, K)
+    out = np.empty((T, N), F32)
+    return lambda k: (k.matmul(out, x, w), out)[1], x.astype(np.float64) @ w.T.astype(np.float64)
+
+
+def case_rope(rng, T, h, E, pos0):
+    from fast.engine import rope_tables
+    from ref.config import ModelConfig
+    from tests.helpers import SMALL_CONFIG
+    cfg = ModelConfig.from_dict({**SMALL_CONFIG, "hidden_size": h * E, "num_attention_heads": h, "num_key_value_heads": h,
+                                 "rope_theta": 500.0})
+    cos, sin = rope_tables(cfg)
+    x = randn(rng, T, h, E)
+    out = np.empty_like(x)
+    return lambda k: (k.rope(out, x, cos, sin, pos0), out)[1], ref_rope(x.astype(np.float64), np.arange(pos0, pos0 + T), 500.0)
+
+
+def case_attention(rng, T, S, H, K, E):
+    q, kc, vc = randn(rng, T, H, E), randn(rng, S, K, E), randn(rng, S, K, E)
+    pos0 = S - T
+    out, scores = np.empty_like(q), np.empty((T * H, S), F32)
+    return (lambda k: (k.attention(out, q, kc, vc, pos0, scores), out)[1],
+            ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos0))
+
+
+KIND_IDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
+
+
+def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3):
+    x, w3 = randn(rng, D), randn(rng, F, 3, D, scale=0.5)
+    active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
+    out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
+    want = ref_sparse_ffn(x.astype(np.float64), w3[:, 0], w3[:, 1], np.ascontiguousarray(w3[:, 2].T), active, kind, 0.1,
+                          np.float64)
+    return lambda k: (k.sparse_ffn(out, acc, x, w3, active, n_active, KIND_IDS[kind], F32(0.1)), out)[1], want
+
+
+def case_predictor(rng, D, R, F):
+    h, fc1, fc2 = randn(rng, D, scale=2), randn(rng, R, D), randn(rng, F, R)
+    out, hidden = np.empty(F, F32), np.empty(R, F32)
+    return (lambda k: (k.predictor(out, hidden, h, fc1, fc2), out)[1],
+            predictor_logits(h[None].astype(np.float64), fc1.astype(np.float64), fc2.astype(np.float64))[0])
+
+
+def case_predicted_set(rng, F, threshold):
+    logits = randn(rng, F)
+    active = np.full(F, -1, np.int32)
+    want = ref_predicted_set(logits, threshold)
+    return lambda k: active[: k.predicted_set(active, logits, F32(threshold))].astype(np.float64), want.astype(np.float64)
+
+
+CASES = {
+    "rmsnorm": case_rmsnorm, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
+    "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
+}
+
+# (kernel, shape): tails (sizes off every block), single tokens, GQA and MHA, empty and full active sets.
+SHAPES = [
+    ("rmsnorm", dict(T=1, D=7)), ("rmsnorm", dict(T=5, D=100)),
+    ("matmul", dict(T=1, N=33, K=17)), ("matmul", dict(T=4, N=100, K=65)), ("matmul", dict(T=3, N=1, K=5)),
+    ("rope", dict(T=1, h=3, E=8, pos0=11)), ("rope", dict(T=6, h=2, E=16, pos0=0)),
+    ("attention", dict(T=1, S=9, H=4, K=2, E=8)), ("attention", dict(T=5, S=5, H=6, K=3, E=16)),
+    ("attention", dict(T=3, S=10, H=4, K=4, E=8)), ("attention", dict(T=1, S=1, H=8, K=1, E=4)),
+    ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu")), ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="relu")),
+    ("sparse_ffn", dict(F=100, D=33, n_active=1, kind="relu")), ("sparse_ffn", dict(F=100, D=33, n_active=37, kind="fatrelu")),
+    ("sparse_ffn", dict(F=64, D=16, n_active=50, kind="drelu")), ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="silu")),
+    ("sparse_ffn", dict(F=9, D=5, n_active=2, kind="relu", chunks=7)),
+    ("predictor", dict(D=19, R=5, F=77)), ("predictor", dict(D=64, R=16, F=100)),
+    ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=10, threshold=-5.0)),
+    ("predicted_set", dict(F=10, threshold=5.0)),
+]
+
+
+def check_kernel(module, name, shape, rtol=1e-5, seed=None):
+    """Run `module.<name>` and its ref twin on fresh random inputs; compare with the one tolerance helper."""
+    from tests.helpers import assert_close
+    rng = np.random.default_rng(seed)
+    run, want = CASES[name](rng, **shape)
+    got = run(module)
+    assert got.dtype in (np.float32, np.float64)
+    assert_close(got, want, rtol=rtol, atol=1e-6, name=f"{module.__name__}.{name}{shape}")

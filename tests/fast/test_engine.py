@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+
+import fast
+import ref
+from ref.errors import UserError
+from ref.predictor import save_predictors
+from ref.sparse import Predictors
+from tests.helpers import SHIPPED, assert_close, write_model
+
+PROMPTS = ["once upon a time, there was a little girl named lily.", "the dog ran to the park and"]
+
+
+@pytest.fixture(scope="module")
+def shipped_engine():
+    return fast.Engine.load(SHIPPED)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A random model with random predictors (about half the neurons predicted per token)."""
+    d = write_model(tmp_path_factory.mktemp("m"), {"eos_token_id": 99})
+    cfg = ref.ModelConfig.from_hf(d)
+    rng = np.random.default_rng(5)
+    pred = Predictors([rng.standard_normal((8, cfg.d_model)).astype(np.float32) for _ in range(cfg.n_layers)],
+                      [rng.standard_normal((cfg.d_ffn, 8)).astype(np.float32) for _ in range(cfg.n_layers)],
+                      0.0, {"threshold": "0.0"})
+    save_predictors(d / "predictors.safetensors", pred)
+    return d
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_shipped_dense_logits_match_ref(shipped_engine, shipped_model, shipped_tokenizer, prompt):
+    ids = shipped_tokenizer.encode(prompt)
+    got, want = shipped_engine.logits(ids), shipped_model.logits(ids)
+    for t in range(len(ids)):
+        assert_close(got[t], want[t], rtol=1e-4, name=f"position {t}")
+
+
+def test_shipped_sparse_logits_match_ref(shipped_tokenizer):
+    pred = SHIPPED / "predictors.safetensors"
+    if not pred.exists():
+        pytest.skip("shipped predictors not built")
+    e, m = fast.Engine.load(SHIPPED, predictors=pred), ref.load_model(SHIPPED, predictors=pred)
+    ids = shipped_tokenizer.encode(PROMPTS[0])
+    got, want = e.logits(ids), m.logits(ids)
+    for t in range(len(ids)):
+        assert_close(got[t], want[t], rtol=1e-4, name=f"position {t}")
+
+
+def test_shipped_greedy_32_tokens_match(shipped_engine, shipped_model, shipped_tokenizer):
+    ids = shipped_tokenizer.encode(PROMPTS[1])
+    assert shipped_engine.generate(ids, 32) == ref.generate(shipped_model, ids, 32)
+
+
+def test_small_sparse_matches_ref_and_is_sparse(small):
+    e = fast.Engine.load(small, predictors=small / "predictors.safetensors")
+    m = ref.load_model(small, predictors=small / "predictors.safetensors")
+    ids = np.array([1, 4, 9, 16, 25, 36, 49])
+    assert_close(e.logits(ids), m.logits(ids), rtol=1e-4)
+    dense = fast.Engine.load(small)
+    assert not np.allclose(dense.logits(ids), e.logits(ids), rtol=1e-3)
+
+
+def test_same_seed_same_sample_in_both_engines(small):
+    e, m = fast.Engine.load(small), ref.load_model(small)
+    kw = dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=11)
+    assert e.generate([1, 2, 3], 20, **kw) == ref.generate(m, [1, 2, 3], 20, **kw)
+
+
+def test_incremental_decode_matches_whole(small):
+    e = fast.Engine.load(small, predictors=small / "predictors.safetensors")
+    ids = np.array([1, 3, 5, 7, 9, 11])
+    cache = e.new_cache(6)
+    parts = np.concatenate([e.forward(ids[:2], cache)] + [e.forward(ids[t:t + 1], cache) for t in range(2, 6)])
+    assert_close(parts, e.logits(ids), rtol=1e-5)
+
+
+def test_repeated_runs_bit_identical(small):
+    e = fast.Engine.load(small, predictors=small / "predictors.safetensors")
+    ids = np.arange(1, 40) % 50
+    first = e.logits(ids)
+    for _ in range(3):
+        np.testing.assert_array_equal(e.logits(ids), first)
+
+
+def test_tied_and_odd_ffn(tmp_path):
+    d = write_model(tmp_path, {"tie_word_embeddings": True, "intermediate_size": 37})
+    ids = np.array([1, 2, 3])
+    assert_close(fast.Engine.load(d).logits(ids), ref.load_model(d).logits(ids), rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(threads=0), "-t/--threads must be in"),
+    (dict(device="tpu"), "--device must be one of"),
+    (dict(device="gpu"), "--device gpu"),
+])
+def test_bad_engine_options(small, kw, message):
+    with pytest.raises(UserError, match=message):
+        fast.Engine.load(small, **kw)
+
+
+def test_predictors_of_another_model(small, tmp_path):
+    other = write_model(tmp_path / "o", {"intermediate_size": 64})
+    with pytest.raises(UserError, match="predictors.safetensors: layer 0 predictor has fc1"):
+        fast.Engine.load(other, predictors=small / "predictors.safetensors")

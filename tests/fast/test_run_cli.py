@@ -1,0 +1,54 @@
+"""`python -m fast.run` as a user runs it."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, SHIPPED
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "fast.run", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_generates_and_reports(tmp_path):
+    r = run("-p", "once upon a time", "-n", "8", "--temp", "0", "--json", tmp_path / "t.json")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("once upon a time") and "eval time" in r.stderr and "tokens per second" in r.stderr
+    summary = json.loads((tmp_path / "t.json").read_text())
+    assert summary["generated"] == 8 and summary["eval_tok_s"] > 0
+
+
+def test_same_text_as_ref_greedy():
+    a = run("-p", "the cat", "-n", "12", "--temp", "0", "--dense")
+    b = subprocess.run([sys.executable, "-m", "ref", "-p", "the cat", "-n", "12", "--temp", "0"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert a.returncode == 0 and a.stdout == b.stdout
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["/nonexistent/model"], "no such folder"),
+    (["-n", "-1"], "-n/--n-predict must be >= 0"),
+    (["--temp", "-1"], "--temp must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["-t", "0"], "-t/--threads must be in"),
+    (["-p", "once upon a time " * 200], "longer than the context"),
+    (["--predictors", "/nonexistent.safetensors"], "predictors file not found"),
+])
+def test_bad_flags(args, expect):
+    r = run(*args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error:") and expect in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_corrupt_predictors(tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(SHIPPED, d)
+    (d / "predictors.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    r = run(d, "-n", "2")
+    assert r.returncode == 1 and "predictors.safetensors: corrupt safetensors header" in r.stderr
+    assert "Traceback" not in r.stderr
