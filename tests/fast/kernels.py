@@ -106,3 +106,18 @@ def check_kernel(module, name, shape, rtol=1e-5, seed=None):
     got = run(module)
     assert got.dtype in (np.float32, np.float64)
     assert_close(got, want, rtol=rtol, atol=1e-6, name=f"{module.__name__}.{name}{shape}")
+
+# The CUDA simulator runs every thread as a Python thread: fewer blocks, still tails (sizes off every block of 8
+# threads), several blocks per launch, empty and full active sets, GQA and MHA.
+SIM_SHAPES = [
+    ("rmsnorm", dict(T=2, D=19)), ("rmsnorm", dict(T=1, D=5)),
+    ("matmul", dict(T=1, N=9, K=19)), ("matmul", dict(T=2, N=5, K=3)),
+    ("rope", dict(T=2, h=2, E=8, pos0=5)),
+    ("attention", dict(T=1, S=11, H=4, K=2, E=4)), ("attention", dict(T=3, S=3, H=2, K=2, E=8)),
+    ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")), ("sparse_ffn", dict(F=12, D=19, n_active=12, kind="relu")),
+    ("sparse_ffn", dict(F=30, D=9, n_active=7, kind="fatrelu")), ("sparse_ffn", dict(F=16, D=9, n_active=5, kind="drelu")),
+    ("sparse_ffn", dict(F=6, D=9, n_active=6, kind="silu")),
+    ("predictor", dict(D=19, R=5, F=11)),
+    ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=5, threshold=-5.0)),
+    ("predicted_set", dict(F=10, threshold=5.0)),
+]

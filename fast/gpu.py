@@ -1,0 +1,235 @@
+"""GPU kernels (numba.cuda), mirroring `fast.cpu` name for name and signature for signature (outputs first).
+
+Every reduction goes through shared memory (no warp shuffles), so each kernel runs under the numba CUDA
+simulator (NUMBA_ENABLE_CUDASIM=1) exactly as on a device. No atomics: the down projection is a second
+pass in which each thread owns one output element, so results are bit-identical from run to run.
+Launch constants are module globals read when a kernel is compiled; tests shrink them so several blocks run.
+
+Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
+N output rows, R predictor hidden size.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+THREADS = 256  # threads per block for row reductions (a power of two)
+TILE = 256  # threads per block for elementwise and column kernels
+
+_scratch: dict = {}
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum(buf, value):
+    """Sum `value` over the block through shared memory `buf` [THREADS]; every thread gets the total."""
+    t = cuda.threadIdx.x
+    buf[t] = value
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if t < step:
+            buf[t] += buf[t + step]
+        cuda.syncthreads()
+        step //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def block_max(buf, value):
+    t = cuda.threadIdx.x
+    buf[t] = value
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if t < step:
+            buf[t] = max(buf[t], buf[t + step])
+        cuda.syncthreads()
+        step //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit
+def _rmsnorm(out, x, w, eps):
+    buf = cuda.shared.array(THREADS, float32)
+    row, D = cuda.blockIdx.x, x.shape[1]
+    ss = float32(0.0)
+    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+        ss += x[row, d] * x[row, d]
+    r = 1.0 / math.sqrt(block_sum(buf, ss) / D + eps)
+    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+        out[row, d] = x[row, d] * r * w[d]
+
+
+@cuda.jit
+def _rows_dot(out, x, w, relu):
+    """out[t, n] = w[n] . x[t] (optionally relu'd): block (n, t), threads stride over K (coalesced)."""
+    buf = cuda.shared.array(THREADS, float32)
+    n, t = cuda.blockIdx.x, cuda.blockIdx.y
+    s = float32(0.0)
+    for k in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        s += w[n, k] * x[t, k]
+    s = block_sum(buf, s)
+    if cuda.threadIdx.x == 0:
+        out[t, n] = max(s, 0.0) if relu else s
+
+
+@cuda.jit
+def _rope(out, x, cos, sin, pos0):
+    i = cuda.grid(1)
+    T, nh, E = x.shape
+    half = E // 2
+    if i < T * nh * half:
+        t, rest = i // (nh * half), i % (nh * half)
+        h, j = rest // half, rest % half
+        p = pos0 + t
+        a, b = x[t, h, j], x[t, h, j + half]
+        out[t, h, j] = a * cos[p, j] - b * sin[p, j]
+        out[t, h, j + half] = b * cos[p, j] + a * sin[p, j]
+
+
+@cuda.jit
+def _attention(out, q, k, v, pos0, scores):
+    """Block (t, h): scores over visible positions, softmax through shared reductions, then out = p v."""
+    buf = cuda.shared.array(THREADS, float32)
+    th = cuda.blockIdx.x
+    T, H, E = q.shape
+    S, K = k.shape[0], k.shape[1]
+    t, h = th // H, th % H
+    kv = h // (H // K)
+    n = min(S, pos0 + t + 1)
+    scale = 1.0 / math.sqrt(E)
+    m = -math.inf
+    for s in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        acc = float32(0.0)
+        for e in range(E):
+            acc += q[t, h, e] * k[s, kv, e]
+        acc *= scale
+        scores[th, s] = acc
+        m = max(m, acc)
+    m = block_max(buf, m)
+    total = float32(0.0)
+    for s in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        p = math.exp(scores[th, s] - m)
+        scores[th, s] = p
+        total += p
+    total = block_sum(buf, total)
+    for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
+        acc = float32(0.0)
+        for s in range(n):
+            acc += scores[th, s] * v[s, kv, e]
+        out[t, h, e] = acc / total
+
+
+@cuda.jit(device=True, inline=True)
+def activation(kind, g, u, thr):
+    if kind == 0:
+        return g * u if g > 0 else 0.0
+    if kind == 1:
+        return g * u if g > thr else 0.0
+    if kind == 2:
+        return g * u if (g > 0 and u > 0) else 0.0
+    return g / (1.0 + math.exp(-g)) * u
+
+
+@cuda.jit
+def _ffn_gate_up(a, x, w3, active, kind, thr):
+    """Block j: a[j] = act(gate . x, up . x) of neuron active[j]; gate and up rows read coalesced."""
+    buf = cuda.shared.array(THREADS, float32)
+    j = cuda.blockIdx.x
+    i = active[j]
+    g = float32(0.0)
+    u = float32(0.0)
+    for d in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
+        g += w3[i, 0, d] * x[d]
+        u += w3[i, 1, d] * x[d]
+    g = block_sum(buf, g)
+    u = block_sum(buf, u)
+    if cuda.threadIdx.x == 0:
+        a[j] = activation(kind, g, u, thr)
+
+
+@cuda.jit
+def _ffn_down(out, a, w3, active, n_active):
+    """Thread d: out[d] = sum_j a[j] down_j[d]; consecutive threads read consecutive d of each down row."""
+    d = cuda.grid(1)
+    if d < out.shape[0]:
+        s = float32(0.0)
+        for j in range(n_active):
+            s += a[j] * w3[active[j], 2, d]
+        out[d] = s
+
+
+@cuda.jit
+def _predicted_set(active, n_out, logits, threshold):
+    """One block: each thread compacts a contiguous chunk; chunk offsets by a serial scan in shared memory."""
+    counts = cuda.shared.array(THREADS, int32)
+    t, F, nt = cuda.threadIdx.x, logits.shape[0], cuda.blockDim.x
+    lo, hi = t * F // nt, (t + 1) * F // nt
+    c = 0
+    for i in range(lo, hi):
+        if logits[i] >= threshold:
+            c += 1
+    counts[t] = c
+    cuda.syncthreads()
+    if t == 0:
+        run = 0
+        for j in range(nt):
+            run, counts[j] = run + counts[j], run
+        n_out[0] = run
+    cuda.syncthreads()
+    pos = counts[t]
+    for i in range(lo, hi):
+        if logits[i] >= threshold:
+            active[pos] = i
+            pos += 1
+
+
+def scratch(name: str, size: int, dtype=np.float32):
+    """A reused device buffer of at least `size` elements (no allocation per call)."""
+    buf = _scratch.get((name, dtype))
+    if buf is None or buf.size < size:
+        buf = _scratch[(name, dtype)] = cuda.device_array(max(size, 1), dtype)
+    return buf[:size]
+
+
+def rmsnorm(out, x, w, eps):
+    _rmsnorm[x.shape[0], THREADS](out, x, w, np.float32(eps))
+
+
+def matmul(out, x, w):
+    if out.size:
+        _rows_dot[(w.shape[0], x.shape[0]), THREADS](out, x, w, False)
+
+
+def rope(out, x, cos, sin, pos0):
+    n = x.shape[0] * x.shape[1] * (x.shape[2] // 2)
+    if n:
+        _rope[(n + TILE - 1) // TILE, TILE](out, x, cos, sin, pos0)
+
+
+def attention(out, q, k, v, pos0, scores):
+    _attention[q.shape[0] * q.shape[1], THREADS](out, q, k, v, pos0, scores)
+
+
+def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
+    """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (the activations live in a device scratch)."""
+    a = scratch("ffn_a", max(n_active, 1))
+    if n_active:
+        _ffn_gate_up[n_active, THREADS](a, x, w3, active, kind, np.float32(thr))
+    _ffn_down[(out.shape[0] + TILE - 1) // TILE, TILE](out, a, w3, active, n_active)
+
+
+def predictor(out, hidden, h, fc1, fc2):
+    _rows_dot[(fc1.shape[0], 1), THREADS](hidden.reshape(1, -1), h.reshape(1, -1), fc1, True)
+    _rows_dot[(fc2.shape[0], 1), THREADS](out.reshape(1, -1), hidden.reshape(1, -1), fc2, False)
+
+
+def predicted_set(active, logits, threshold) -> int:
+    n = scratch("n_active", 1, np.int32)
+    _predicted_set[1, THREADS](active, n, logits, np.float32(threshold))
+    return int(n.copy_to_host()[0])
