@@ -71,10 +71,15 @@ class SyntheticSelect(PredictorSelect):
 
     def __call__(self, l, h):
         super().__call__(l, h)
+        s = self.draw(l)
+        return s, len(s)
+
+    def draw(self, l: int) -> np.ndarray:
+        """The next pre-drawn active set of layer l (the engines call this after running the predictor)."""
         s = self.sets[l][self.step % len(self.sets[l])]
         if l == len(self.sets) - 1:
             self.step += 1
-        return s, len(s)
+        return s
 
     def mean_active(self) -> float:
         return float(np.mean([len(s) for layer in self.sets for s in layer]))

@@ -96,13 +96,12 @@ class Engine:
 
     @staticmethod
     def load(path, device: str = "cpu", predictors=None, placement=None, vram_budget=None, threads=None,
-             predictor_threshold: float | None = None) -> "Engine":
-        """Lay out an HF checkpoint; with `predictors`, the predictor-gated sparse FFN. Compiles (or loads the
+             predictor_threshold: float | None = None, policy: str = "hybrid") -> "Engine":
+        """Lay out an HF checkpoint; with `predictors`, the predictor-gated sparse FFN; on `gpu`/`hybrid`, the
+        placement (a file, or solved for `vram_budget` GiB) applied by fast.hybrid. Compiles (or loads the
         cached) kernels with one warm-up token, timed as `compile_seconds`."""
         if device not in DEVICES:
             raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
-        if device != "cpu":
-            raise UserError(f"--device {device}: this build runs on the CPU only (the GPU engine is not part of it yet)")
         cfg = ModelConfig.from_hf(path)
         w = Weights.load(path, cfg)
         f32 = lambda name: np.ascontiguousarray(upcast(w[name], F32))  # noqa: E731
@@ -110,6 +109,9 @@ class Engine:
                         f32("embed" if cfg.tie_word_embeddings else "lm_head"), threads)
         if predictors is not None:
             apply_predictors(engine, predictors, predictor_threshold)
+        if device != "cpu":
+            from fast.hybrid import place_engine
+            engine = place_engine(engine, path, device, placement, vram_budget, policy)
         engine.warm_up()
         return engine
 

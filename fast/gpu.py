@@ -67,15 +67,16 @@ def _rmsnorm(out, x, w, eps):
 
 @cuda.jit
 def _rows_dot(out, x, w, relu):
-    """out[t, n] = w[n] . x[t] (optionally relu'd): block (n, t), threads stride over K (coalesced)."""
+    """out[t, n] = w[n] . x[t] (optionally relu'd): block n, threads stride over K (coalesced), tokens in turn."""
     buf = cuda.shared.array(THREADS, float32)
-    n, t = cuda.blockIdx.x, cuda.blockIdx.y
-    s = float32(0.0)
-    for k in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-        s += w[n, k] * x[t, k]
-    s = block_sum(buf, s)
-    if cuda.threadIdx.x == 0:
-        out[t, n] = max(s, 0.0) if relu else s
+    n = cuda.blockIdx.x
+    for t in range(x.shape[0]):
+        s = float32(0.0)
+        for k in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            s += w[n, k] * x[t, k]
+        s = block_sum(buf, s)
+        if cuda.threadIdx.x == 0:
+            out[t, n] = max(s, 0.0) if relu else s
 
 
 @cuda.jit
@@ -203,7 +204,7 @@ def rmsnorm(out, x, w, eps):
 
 def matmul(out, x, w):
     if out.size:
-        _rows_dot[(w.shape[0], x.shape[0]), THREADS](out, x, w, False)
+        _rows_dot[w.shape[0], THREADS](out, x, w, False)
 
 
 def rope(out, x, cos, sin, pos0):
@@ -225,11 +226,27 @@ def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
 
 
 def predictor(out, hidden, h, fc1, fc2):
-    _rows_dot[(fc1.shape[0], 1), THREADS](hidden.reshape(1, -1), h.reshape(1, -1), fc1, True)
-    _rows_dot[(fc2.shape[0], 1), THREADS](out.reshape(1, -1), hidden.reshape(1, -1), fc2, False)
+    _rows_dot[fc1.shape[0], THREADS](hidden.reshape(1, -1), h.reshape(1, -1), fc1, True)
+    _rows_dot[fc2.shape[0], THREADS](out.reshape(1, -1), hidden.reshape(1, -1), fc2, False)
 
 
 def predicted_set(active, logits, threshold) -> int:
     n = scratch("n_active", 1, np.int32)
     _predicted_set[1, THREADS](active, n, logits, np.float32(threshold))
     return int(n.copy_to_host()[0])
+
+
+
+@cuda.jit
+def _add(out, a):
+    """out += a, elementwise over [T, D] (residual updates)."""
+    i = cuda.grid(1)
+    T, D = out.shape
+    if i < T * D:
+        out[i // D, i % D] += a[i // D, i % D]
+
+
+def add(out, a):
+    """out += a (ref: h + o, h + y_gpu + y_cpu)."""
+    if out.size:
+        _add[(out.size + TILE - 1) // TILE, TILE](out, a)

@@ -17,14 +17,17 @@ from ref.tokenizer import load_tokenizer
 @sampling_options
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: all cores].")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
-@click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid).")
+@click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid) [default: 90% of the card].")
+@click.option("--placement", type=click.Path(path_type=Path), default=None, help="Placement file [default: solved for the budget].")
+@click.option("--policy", type=click.Choice(["hybrid", "layers"]), default="hybrid", show_default=True,
+              help="hybrid: PowerInfer's neuron split; layers: llama.cpp-style whole layers on the GPU.")
 @click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors).")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
 @click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
 @user_errors
 def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_penalty, ctx_size, threads, device,
-         vram_budget, dense, predictors, predictor_threshold, json_file):
+         vram_budget, placement, policy, dense, predictors, predictor_threshold, json_file):
     """Generate text from MODEL_DIR (default: the shipped model) with the numba engine."""
     check_sampling(n_predict, temp, top_k, top_p, min_p, repeat_penalty)
     check_model_dir(model_dir)
@@ -33,8 +36,8 @@ def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_p
     if predictors is None and not dense and (model_dir / "predictors.safetensors").is_file():
         predictors = model_dir / "predictors.safetensors"
     t0 = time.perf_counter()
-    engine = Engine.load(model_dir, device=device, predictors=predictors, vram_budget=vram_budget, threads=threads,
-                         predictor_threshold=predictor_threshold)
+    engine = Engine.load(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
+                         threads=threads, predictor_threshold=predictor_threshold, policy=policy)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     ids = tok.encode(prompt)

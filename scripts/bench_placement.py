@@ -12,16 +12,9 @@ import numpy as np
 
 from placement.budget import HARDWARE
 from placement.solver import Groups, greedy, repair, solve
+from placement.synthetic import synthetic_counts
 
 SHAPES = {"llama-7b": (32, 11008, 4096), "llama-13b": (40, 13824, 5120), "llama-70b": (80, 28672, 8192)}
-
-
-def synthetic_counts(L: int, F: int, seed: int, tokens: int = 1_000_000) -> np.ndarray:
-    """Zipf-like firing counts per layer (exponent 0.7-1.3, shuffled neuron ids), as PowerInfer's profiles show."""
-    rng = np.random.default_rng(seed)
-    rank = np.arange(1, F + 1)
-    return np.stack([rng.permutation(np.minimum(tokens, tokens * 0.9 / rank ** rng.uniform(0.7, 1.3)).astype(np.int64))
-                     for _ in range(L)])
 
 
 @click.command()

@@ -1,0 +1,107 @@
+"""GPU benchmark (issue: fast/ on the GPU): per-kernel GB/s against a measured device-to-device copy, then decode
+tok/s of the hybrid engine (PowerInfer's neuron placement) against the layer policy (llama.cpp-style whole layers)
+at several VRAM budgets, on a synthetic model of a real shape. Prints a short table last."""
+
+import json
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+from numba import cuda
+
+from fast import gpu
+from fast.bench import SHAPES, SyntheticSelect, random_engine, shape_config, synthetic_predictors, time_decode
+from fast.engine import DenseSelect
+from fast.hybrid import to_hybrid
+from placement.synthetic import synthetic_counts
+from placement.budget import HARDWARE, plan_budget
+from placement.solver import solve
+
+F32 = np.float32
+
+
+def timed(fn, repeats: int = 5) -> float:
+    """Best wall time of `fn` over repeats, the device synchronised around each run."""
+    fn()
+    cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def kernel_bandwidths(D: int, F: int, sparsity: float) -> dict:
+    """GB/s of the bandwidth-bound kernels (bytes they must read / time) and of a device-to-device copy."""
+    rng = np.random.default_rng(0)
+    w3 = cuda.to_device(rng.random((F, 3, D), dtype=F32))
+    wd = cuda.to_device(rng.random((F, D), dtype=F32))
+    x = cuda.to_device(rng.random((1, D), dtype=F32))
+    out_f, out_d = cuda.device_array((1, F), F32), cuda.device_array(D, F32)
+    n = int((1 - sparsity) * F)
+    active = cuda.to_device(np.sort(rng.choice(F, n, replace=False)).astype(np.int32))
+    copy_dst = cuda.device_array_like(w3)
+    res = {"copy": 2 * w3.nbytes / timed(lambda: copy_dst.copy_to_device(w3)) / 1e9}  # read + write
+    res["matmul"] = wd.nbytes / timed(lambda: gpu.matmul(out_f, x, wd)) / 1e9
+    res["sparse_ffn"] = n * 3 * D * 4 / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], w3, active, n, 0, F32(0))) / 1e9
+    res["dense_ffn"] = w3.nbytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], w3, cuda.to_device(
+        np.arange(F, dtype=np.int32)), F, 0, F32(0))) / 1e9
+    return res
+
+
+@click.command()
+@click.option("--shape", type=click.Choice(list(SHAPES)), default="llama-7b", show_default=True)
+@click.option("--budgets", default="0.1,0.25,0.5,1.0", show_default=True, help="VRAM budgets as shares of the model's bytes.")
+@click.option("--sparsity", default=0.9, show_default=True, help="Predicted sparsity of the synthetic active sets.")
+@click.option("--tokens", default=8, show_default=True)
+@click.option("--runs", default=3, show_default=True)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
+def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
+    """Kernel GB/s vs copy, then hybrid vs layer policy decode tok/s per VRAM budget."""
+    cfg = shape_config(shape)
+    kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity)
+    base = random_engine(cfg, threads)
+    pred = synthetic_predictors(cfg, 256)
+    model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.w3.nbytes for L in base.layers) + base.lm_head.nbytes
+    counts = synthetic_counts(cfg.n_layers, cfg.d_ffn, seed=0)
+    hw = HARDWARE["h200"]
+    rows = []
+    for share in map(float, budgets.split(",")):
+        budget = int(share * model_bytes)
+        base.select = DenseSelect(cfg.d_ffn)
+        layers = to_hybrid(base, policy="layers", budget_bytes=budget)
+        t_layers, layers_n = float(np.median(time_decode(layers, tokens, runs))), layers.n_gpu_layers
+        del layers
+        row = {"budget_share": share, "budget_gib": budget / 2**30, "gpu_layers": layers_n, "layers_tok_s": t_layers}
+        plan = plan_budget(cfg, "float32", cfg.max_seq_len, budget, [pred.n_params // cfg.n_layers] * cfg.n_layers)
+        on_gpu = {n for n, _ in plan.on_gpu}
+        if all(f"attention.{l}" in on_gpu for l in range(cfg.n_layers)) and "output" in on_gpu:
+            min_cpu = [hw.min_cpu_neurons(plan.neuron_bytes, cfg.d_model)] * cfg.n_layers
+            placed = solve(counts, plan.neuron_bytes, plan.ffn_budget_bytes, min_cpu, time_limit=10)
+            base.select = SyntheticSelect(pred, cfg, sparsity)
+            hybrid = to_hybrid(base, placed.gpu_neurons)
+            t_hybrid = float(np.median(time_decode(hybrid, tokens, runs)))
+            del hybrid
+            row.update(gpu_neurons_share=sum(map(len, placed.gpu_neurons)) / (cfg.n_layers * cfg.d_ffn),
+                       hybrid_tok_s=t_hybrid, speedup=t_hybrid / t_layers)
+        rows.append(row)  # without a hybrid entry: this engine needs all attention on the GPU, and it does not fit
+    out = {"shape": shape, "kernels_gbs": kernels, "decode": rows}
+    if json_file:
+        json_file.write_text(json.dumps(out, indent=2) + "\n")
+    click.echo(f"kernels ({shape} FFN shape, {sparsity:.0%} sparse): "
+               + ", ".join(f"{k} {v:.0f} GB/s" for k, v in kernels.items())
+               + f"; sparse_ffn at {kernels['sparse_ffn'] / kernels['copy']:.0%} of copy")
+    click.echo("| budget | GiB | layer policy: GPU layers | t/s | hybrid: GPU neurons | t/s | hybrid / layers |")
+    click.echo("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        hybrid = (f"{r['gpu_neurons_share']:.0%} | {r['hybrid_tok_s']:.2f} | {r['speedup']:.2f}x" if "speedup" in r
+                  else "attention does not fit | - | -")
+        click.echo(f"| {r['budget_share']:.0%} | {r['budget_gib']:.1f} | {r['gpu_layers']} | {r['layers_tok_s']:.2f} | {hybrid} |")
+
+
+if __name__ == "__main__":
+    main()

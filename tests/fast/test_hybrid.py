@@ -1,0 +1,88 @@
+"""The hybrid CPU-GPU engine against ref, under the CUDA simulator in CI (on the device in scripts/device_check.sh)."""
+
+import os
+
+import numpy as np
+import pytest
+
+import fast
+import ref
+from fast import gpu
+from fast.hybrid import to_hybrid
+from ref.errors import UserError
+from ref.predictor import save_predictors
+from ref.sparse import Predictors
+from tests.helpers import assert_close, write_model
+
+TINY = {"hidden_size": 8, "intermediate_size": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "vocab_size": 16, "max_position_embeddings": 16, "eos_token_id": 99}
+IDS = np.array([1, 5, 9])
+
+
+@pytest.fixture(autouse=True)
+def small_launches(monkeypatch):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        monkeypatch.setattr(gpu, "THREADS", 4)
+        monkeypatch.setattr(gpu, "TILE", 4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = write_model(tmp_path_factory.mktemp("tiny"), TINY, seed=3)
+    cfg = ref.ModelConfig.from_hf(d)
+    rng = np.random.default_rng(1)
+    pred = Predictors([rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2)],
+                      [rng.standard_normal((12, 4)).astype(np.float32) for _ in range(2)], 0.0, {"threshold": "0.0"})
+    save_predictors(d / "predictors.safetensors", pred)
+    want = ref.load_model(d, predictors=d / "predictors.safetensors").logits(IDS)
+    return d, cfg, want
+
+
+def cpu_engine(d):
+    return fast.Engine.load(d, predictors=d / "predictors.safetensors")
+
+
+@pytest.mark.parametrize("split", ["none", "all", "random"])
+def test_hybrid_logits_match_ref(tiny, split):
+    d, cfg, want = tiny
+    rng = np.random.default_rng(7)
+    neurons = {"none": [np.empty(0, np.int32)] * 2, "all": [np.arange(12, dtype=np.int32)] * 2,
+               "random": [np.sort(rng.choice(12, 5, replace=False)).astype(np.int32) for _ in range(2)]}[split]
+    hybrid = to_hybrid(cpu_engine(d), neurons)
+    assert_close(hybrid.logits(IDS), want, rtol=1e-4)
+
+
+def test_solver_split_through_engine_load_and_repeatable(tiny):
+    d, cfg, want = tiny
+    from ref.profile import save_activations
+    counts = np.random.default_rng(2).integers(0, 100, size=(2, 12))
+    (d / "c.txt").write_text("x")
+    save_activations(d / "activations.safetensors", counts, 100, d / "c.txt", d)
+    from placement.budget import GiB, plan_budget
+    empty = plan_budget(cfg, "float32", cfg.max_seq_len, 10**9, [4 * 8 + 12 * 4] * 2)
+    budget = 10**9 - empty.ffn_budget_bytes + 18 * empty.neuron_bytes  # dense parts plus 18 of the 24 neurons
+    e = fast.Engine.load(d, device="hybrid", predictors=d / "predictors.safetensors", vram_budget=budget / GiB)
+    hot = [len(g) for g in e.gpu_neurons]
+    assert sorted(hot) == [0, 12]  # C_l > F here: each layer is all GPU or all CPU, and one layer fits
+    first = e.logits(IDS)
+    assert_close(first, want, rtol=1e-4)
+    np.testing.assert_array_equal(e.logits(IDS), first)
+    assert list(d.glob("placement.*.safetensors"))
+
+
+def test_layer_policy_matches_ref(tiny):
+    d, cfg, want = tiny
+    base = cpu_engine(d)
+    L0 = base.layers[0]
+    one_layer = L0.attn_norm.nbytes + L0.wqkv.nbytes + L0.wo.nbytes + L0.ffn_norm.nbytes + L0.w3.nbytes
+    e = to_hybrid(base, policy="layers", budget_bytes=one_layer + 10)
+    assert e.n_gpu_layers == 1
+    assert_close(e.logits(IDS), want, rtol=1e-4)
+
+
+def test_placement_of_another_model(tiny):
+    d, cfg, _ = tiny
+    with pytest.raises(UserError, match="outside \\[0, 12\\)"):
+        to_hybrid(cpu_engine(d), [np.array([3, 40], np.int32)] * 2)
+    with pytest.raises(UserError, match="larger than the GPU"):
+        fast.Engine.load(d, device="hybrid", vram_budget=10_000)
