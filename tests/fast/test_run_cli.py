@@ -10,9 +10,9 @@ import pytest
 from tests.helpers import ROOT, SHIPPED
 
 
-def run(*args):
+def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "fast.run", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_generates_and_reports(tmp_path):
@@ -52,3 +52,12 @@ def test_corrupt_predictors(tmp_path):
     r = run(d, "-n", "2")
     assert r.returncode == 1 and "predictors.safetensors: corrupt safetensors header" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("device", ["gpu", "hybrid"])
+def test_gpu_device_without_gpu(device):
+    import os
+    r = run("--device", device, "-n", "2", env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
+    if "no CUDA GPU found" not in r.stderr:
+        pytest.skip("a CUDA GPU is present")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
