@@ -94,9 +94,8 @@ def attention(out, q, k, v, pos0, scores):
             out[t, h, e] = acc / total
 
 
-@njit(inline="always")
-def activation(kind, g, u, thr):
-    """a(g, u) of ref.model.ffn_activation for one neuron."""
+def activation_py(kind, g, u, thr):
+    """a(g, u) of ref.model.ffn_activation for one neuron; compiled for the CPU here and for the GPU in fast.gpu."""
     if kind == 0:
         return g * u if g > 0 else 0.0
     if kind == 1:
@@ -104,6 +103,9 @@ def activation(kind, g, u, thr):
     if kind == 2:
         return g * u if (g > 0 and u > 0) else 0.0
     return g / (1.0 + math.exp(-g)) * u
+
+
+activation = njit(inline="always")(activation_py)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)

@@ -18,7 +18,7 @@ from fast import cpu
 from ref.config import ModelConfig
 from ref.errors import UserError
 from ref.generate import generate
-from ref.model import KVCache, check_ids
+from ref.model import KVCache, check_ids, step_ids
 from ref.sparse import Predictors
 from ref.weights import Weights, upcast
 
@@ -156,11 +156,7 @@ class Engine:
     def forward(self, ids, cache: KVCache) -> np.ndarray:
         """Logits [T, V] for `ids` following the cached positions; the cache grows by T."""
         c = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if cache.length + len(ids) > cache.capacity:
-            raise UserError(f"context full: {cache.length} + {len(ids)} tokens > context size {cache.capacity}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= c.vocab_size):
-            raise UserError(f"token id out of range [0, {c.vocab_size})")
+        ids = step_ids(ids, cache, c)
         h = self.embed[ids]  # [T, D]
         for l in range(c.n_layers):
             h += self.attention_block(l, h, cache)

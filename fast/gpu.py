@@ -14,6 +14,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from fast.cpu import activation_py
+
 THREADS = 256  # threads per block for row reductions (a power of two)
 TILE = 256  # threads per block for elementwise and column kernels
 
@@ -21,31 +23,15 @@ _scratch: dict = {}
 
 
 @cuda.jit(device=True, inline=True)
-def block_sum(buf, value):
-    """Sum `value` over the block through shared memory `buf` [THREADS]; every thread gets the total."""
+def block_reduce(buf, value, take_max):
+    """Sum (or max) of `value` over the block through shared memory `buf` [THREADS]; every thread gets the result."""
     t = cuda.threadIdx.x
     buf[t] = value
     cuda.syncthreads()
     step = cuda.blockDim.x // 2
     while step > 0:
         if t < step:
-            buf[t] += buf[t + step]
-        cuda.syncthreads()
-        step //= 2
-    total = buf[0]
-    cuda.syncthreads()
-    return total
-
-
-@cuda.jit(device=True, inline=True)
-def block_max(buf, value):
-    t = cuda.threadIdx.x
-    buf[t] = value
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if t < step:
-            buf[t] = max(buf[t], buf[t + step])
+            buf[t] = max(buf[t], buf[t + step]) if take_max else buf[t] + buf[t + step]
         cuda.syncthreads()
         step //= 2
     total = buf[0]
@@ -60,7 +46,7 @@ def _rmsnorm(out, x, w, eps):
     ss = float32(0.0)
     for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
         ss += x[row, d] * x[row, d]
-    r = 1.0 / math.sqrt(block_sum(buf, ss) / D + eps)
+    r = 1.0 / math.sqrt(block_reduce(buf, ss, False) / D + eps)
     for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
         out[row, d] = x[row, d] * r * w[d]
 
@@ -74,7 +60,7 @@ def _rows_dot(out, x, w, relu):
         s = float32(0.0)
         for k in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             s += w[n, k] * x[t, k]
-        s = block_sum(buf, s)
+        s = block_reduce(buf, s, False)
         if cuda.threadIdx.x == 0:
             out[t, n] = max(s, 0.0) if relu else s
 
@@ -112,13 +98,13 @@ def _attention(out, q, k, v, pos0, scores):
         acc *= scale
         scores[th, s] = acc
         m = max(m, acc)
-    m = block_max(buf, m)
+    m = block_reduce(buf, m, True)
     total = float32(0.0)
     for s in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         p = math.exp(scores[th, s] - m)
         scores[th, s] = p
         total += p
-    total = block_sum(buf, total)
+    total = block_reduce(buf, total, False)
     for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
         acc = float32(0.0)
         for s in range(n):
@@ -126,15 +112,7 @@ def _attention(out, q, k, v, pos0, scores):
         out[t, h, e] = acc / total
 
 
-@cuda.jit(device=True, inline=True)
-def activation(kind, g, u, thr):
-    if kind == 0:
-        return g * u if g > 0 else 0.0
-    if kind == 1:
-        return g * u if g > thr else 0.0
-    if kind == 2:
-        return g * u if (g > 0 and u > 0) else 0.0
-    return g / (1.0 + math.exp(-g)) * u
+activation = cuda.jit(device=True, inline=True)(activation_py)
 
 
 @cuda.jit
@@ -148,8 +126,8 @@ def _ffn_gate_up(a, x, w3, active, kind, thr):
     for d in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
         g += w3[i, 0, d] * x[d]
         u += w3[i, 1, d] * x[d]
-    g = block_sum(buf, g)
-    u = block_sum(buf, u)
+    g = block_reduce(buf, g, False)
+    u = block_reduce(buf, u, False)
     if cuda.threadIdx.x == 0:
         a[j] = activation(kind, g, u, thr)
 

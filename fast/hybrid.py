@@ -18,7 +18,7 @@ from numba import cuda
 from fast import cpu, gpu
 from fast.engine import Engine, PredictorSelect
 from ref.errors import UserError
-from ref.model import KVCache
+from ref.model import KVCache, step_ids
 
 F32 = np.float32
 POLICIES = ("hybrid", "layers")
@@ -141,11 +141,7 @@ class HybridEngine(Engine):
     def forward(self, ids, cache: HybridCache) -> np.ndarray:
         """Logits [T, V]; GPU layers first, then (layer policy) the CPU layers, the residual crossing once."""
         c = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if cache.length + len(ids) > cache.capacity:
-            raise UserError(f"context full: {cache.length} + {len(ids)} tokens > context size {cache.capacity}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= c.vocab_size):
-            raise UserError(f"token id out of range [0, {c.vocab_size})")
+        ids = step_ids(ids, cache, c)
         T = len(ids)
         h_d = cuda.to_device(self.embed[ids])
         for l in range(self.n_gpu_layers):
@@ -170,6 +166,11 @@ class HybridEngine(Engine):
         return logits
 
 
+def require_gpu(device: str) -> None:
+    if not cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA GPU found (numba.cuda.is_available() is False)")
+
+
 def layer_policy_count(engine: Engine, budget_bytes: int) -> int:
     """llama.cpp's -ngl: how many whole layers (attention and all FFN weights, float32) fit the budget, the output
     layer's weights reserved first only when every layer fits."""
@@ -185,8 +186,7 @@ def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray] | None = None, polic
               budget_bytes: int | None = None) -> HybridEngine:
     """Apply a placement: `hybrid` takes per-layer GPU neuron ids (all layers' dense parts on the GPU); `layers`
     takes a budget and offloads whole layers."""
-    if not cuda.is_available():
-        raise UserError("--device gpu/hybrid: no CUDA GPU found (numba.cuda.is_available() is False)")
+    require_gpu("hybrid")
     c = engine.config
     if policy == "layers":
         n = layer_policy_count(engine, budget_bytes or 0)
@@ -225,8 +225,7 @@ def place_engine(engine: Engine, model_dir, device: str, placement=None, vram_bu
     from placement.place import load_or_place, request
     from placement.solver import load_placement
 
-    if not cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA GPU found (numba.cuda.is_available() is False)")
+    require_gpu(device)
     c, model_dir = engine.config, Path(model_dir)
     hw = device_hardware()
     if vram_budget is not None and vram_budget * GiB > hw.vram_bytes:

@@ -133,11 +133,7 @@ class Model:
     def forward(self, ids, cache: KVCache) -> np.ndarray:
         """Logits [T, V] for `ids` following the cached positions; the cache grows by T."""
         c = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if cache.length + len(ids) > cache.capacity:
-            raise UserError(f"context full: {cache.length} + {len(ids)} tokens > context size {cache.capacity}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= c.vocab_size):
-            raise UserError(f"token id out of range [0, {c.vocab_size})")
+        ids = step_ids(ids, cache, c)
         h = upcast(self.weights["embed"][ids], self.dtype)  # [T, D]
         for l in range(c.n_layers):
             h = h + self.attention_block(l, h, cache)
@@ -151,6 +147,16 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         check_ids(ids, self.config)
         return self.forward(ids, self.new_cache(max(len(ids), 1))).astype(np.float32)
+
+
+def step_ids(ids, cache: KVCache, cfg: ModelConfig) -> np.ndarray:
+    """The ids of one forward step as int64 [T], checked to fit the cache and the vocabulary."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if cache.length + len(ids) > cache.capacity:
+        raise UserError(f"context full: {cache.length} + {len(ids)} tokens > context size {cache.capacity}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+        raise UserError(f"token id out of range [0, {cfg.vocab_size})")
+    return ids
 
 
 def check_ids(ids: np.ndarray, cfg: ModelConfig) -> None:
