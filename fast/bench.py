@@ -19,6 +19,7 @@ SHAPES = {
     "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000),
     "llama-7b": (4096, 11008, 32, 32, 32, 32000),
     "tiny": (256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
+    "micro": (16, 24, 2, 2, 1, 32),  # smoke runs under the CUDA simulator
 }
 
 

@@ -34,9 +34,9 @@ def measure_predictors(model: Model, windows) -> list[dict]:
     c, saved = model.config, model.ffn_block
     tp, npred, nfired, tokens = (np.zeros(c.n_layers) for _ in range(4))
 
-    def choose(l, h, x):
-        p = saved.choose(l, h, x)
-        f = oracle_set(model, l, x)
+    def choose(l, h, x, wg, wu):
+        p = saved.choose(l, h, x, wg, wu)
+        f = oracle_set(c, x, wg, wu)
         tp[l] += np.intersect1d(p, f).size
         npred[l] += p.size
         nfired[l] += f.size

@@ -28,20 +28,22 @@ def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = 
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     body = window - len(bos)
     buf: list[int] = []
-    sent = 0
+    sent = encoded = read = 0
     with open(path, encoding="utf-8", errors="replace") as f:
-        read = 0
         while True:
             text = f.read(CHUNK_BYTES)
             if text:
                 text += f.readline()  # end the chunk at a line boundary so no word is split
                 read += len(text.encode("utf-8"))
-                buf.extend(tokenizer.encode(text)[len(bos):])
+                ids = tokenizer.encode(text)[len(bos):]
+                buf.extend(ids)
+                encoded += len(ids)
             while len(buf) >= body or (not text and buf):
                 n = min(body, len(buf))
                 if max_tokens is not None:
                     n = min(n, max_tokens - sent)
-                yield np.asarray(bos + buf[:n], dtype=np.int64), min(read / size, 1.0)
+                done = (sent + n) / encoded * read / size  # bytes behind the tokens sent so far, as a file fraction
+                yield np.asarray(bos + buf[:n], dtype=np.int64), min(done, 1.0)
                 sent += n
                 del buf[:n]
                 if max_tokens is not None and sent >= max_tokens:

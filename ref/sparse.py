@@ -83,7 +83,7 @@ class Predictors:
 
 
 class SparseFFN:
-    """The FFN block with the active set chosen per token by `choose(l, h, x) -> sorted neuron ids`."""
+    """The FFN block with the active set chosen per token by `choose(l, h, x, wg, wu) -> sorted neuron ids`."""
 
     def __init__(self, model: Model, choose):
         self.model, self.choose = model, choose
@@ -91,24 +91,23 @@ class SparseFFN:
     def __call__(self, l: int, h: np.ndarray) -> np.ndarray:
         m, c, p = self.model, self.model.config, f"layers.{l}."
         x = rmsnorm(h, m.w(p + "ffn_norm"), c.rms_norm_eps)  # [T, D]
-        wg, wu, wd = m.weights[p + "wg"], m.weights[p + "wu"], m.weights[p + "wd"]
+        wg, wu, wd = m.w(p + "wg"), m.w(p + "wu"), m.w(p + "wd")  # upcast once per block, as the dense block does
         y = np.empty_like(x)  # [T, D]
         for t in range(x.shape[0]):
-            y[t] = sparse_ffn(x[t], wg, wu, wd, self.choose(l, h[t], x[t]), c.ffn_kind, c.act_threshold, m.dtype)
+            active = self.choose(l, h[t], x[t], wg, wu)
+            y[t] = sparse_ffn(x[t], wg, wu, wd, active, c.ffn_kind, c.act_threshold, m.dtype)
         return y
 
 
-def oracle_set(model: Model, l: int, x: np.ndarray) -> np.ndarray:
+def oracle_set(cfg, x: np.ndarray, wg: np.ndarray, wu: np.ndarray) -> np.ndarray:
     """The neurons that really fire for normed input x [D] (computes the full gate/up: for tests and eval)."""
-    c, p = model.config, f"layers.{l}."
-    g, u = model.w(p + "wg") @ x, model.w(p + "wu") @ x  # [F]
-    return np.flatnonzero(fired(c.ffn_kind, g, u, c.act_threshold)).astype(np.int32)
+    return np.flatnonzero(fired(cfg.ffn_kind, wg @ x, wu @ x, cfg.act_threshold)).astype(np.int32)
 
 
 def apply_oracle(model: Model) -> Model:
     """Sparse FFN over the oracle set: equals dense up to summation order (DESIGN section 2)."""
     fired(model.config.ffn_kind, np.zeros(1), np.zeros(1))  # sparse kinds only: a clear error otherwise
-    model.ffn_block = SparseFFN(model, lambda l, h, x: oracle_set(model, l, x))
+    model.ffn_block = SparseFFN(model, lambda l, h, x, wg, wu: oracle_set(model.config, x, wg, wu))
     return model
 
 
@@ -119,7 +118,7 @@ def apply_predictors(model: Model, predictors: str | Path | Predictors, threshol
     theta = pred.threshold if threshold is None else threshold
     model.predictors, model.predictor_threshold = pred, theta
 
-    def choose(l, h, x):
+    def choose(l, h, x, wg, wu):
         return predicted_set(predictor_logits(h[None, :], pred.fc1[l], pred.fc2[l])[0], theta)
 
     model.ffn_block = SparseFFN(model, choose)

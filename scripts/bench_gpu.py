@@ -17,6 +17,7 @@ from fast.hybrid import to_hybrid
 from placement.synthetic import synthetic_counts
 from placement.budget import HARDWARE, plan_budget
 from placement.solver import solve
+from ref.errors import UserError
 
 F32 = np.float32
 
@@ -77,8 +78,11 @@ def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
         t_layers, layers_n = float(np.median(time_decode(layers, tokens, runs))), layers.n_gpu_layers
         del layers
         row = {"budget_share": share, "budget_gib": budget / 2**30, "gpu_layers": layers_n, "layers_tok_s": t_layers}
-        plan = plan_budget(cfg, "float32", cfg.max_seq_len, budget, [pred.n_params // cfg.n_layers] * cfg.n_layers)
-        on_gpu = {n for n, _ in plan.on_gpu}
+        try:
+            plan = plan_budget(cfg, "float32", cfg.max_seq_len, budget, [pred.n_params // cfg.n_layers] * cfg.n_layers)
+            on_gpu = {n for n, _ in plan.on_gpu}
+        except UserError:  # not even the scratch headroom and one attention fit
+            on_gpu = set()
         if all(f"attention.{l}" in on_gpu for l in range(cfg.n_layers)) and "output" in on_gpu:
             min_cpu = [hw.min_cpu_neurons(plan.neuron_bytes, cfg.d_model)] * cfg.n_layers
             placed = solve(counts, plan.neuron_bytes, plan.ffn_budget_bytes, min_cpu, time_limit=10)

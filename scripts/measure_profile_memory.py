@@ -74,7 +74,7 @@ def main(shape, tokens, samples, window):
            "intermediate_size": cfg.d_ffn, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
            "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "max_position_embeddings": 2048,
            "rms_norm_eps": 1e-5, "torch_dtype": "float16"}
-    with tempfile.TemporaryDirectory(dir=".") as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
         write_random_fp16(Path(tmp), raw, cfg)
         click.echo(f"wrote a random {shape} fp16 checkpoint in {time.time() - t0:.0f} s")
