@@ -13,6 +13,7 @@ import numpy as np
 from placement.budget import HARDWARE
 from placement.solver import Groups, greedy, repair, solve
 from placement.synthetic import synthetic_counts
+from ref.errors import UserError
 
 SHAPES = {"llama-7b": (32, 11008, 4096), "llama-13b": (40, 13824, 5120), "llama-70b": (80, 28672, 8192)}
 
@@ -40,7 +41,11 @@ def main(shapes, shares, group, time_limit, backends, json_file):
             g = repair(groups, greedy(groups, budget // neuron_bytes), min_cpu)
             greedy_obj = sum(int(groups.weights[l][t].sum()) for l, t in enumerate(g))
             for backend in backends.split(","):
-                p = solve(counts, neuron_bytes, budget, min_cpu, group, time_limit, backend=backend)
+                try:
+                    p = solve(counts, neuron_bytes, budget, min_cpu, group, time_limit, backend=backend)
+                except UserError as e:  # SCIP finds nothing within the limit on the largest shapes
+                    click.echo(f"{name:10} | {share:6.0%} | {backend:7} | {e}")
+                    continue
                 row = {"shape": name, "share": share, "backend": backend, "groups": sum(len(s) for s in groups.sizes),
                        "min_cpu": min_cpu[0], "status": p.status, "seconds": p.solve_seconds, "gap": p.gap,
                        "objective": p.objective, "greedy": greedy_obj}
