@@ -45,9 +45,9 @@ def random_engine(cfg: ModelConfig, threads: int, seed: int = 0) -> Engine:
 
 
 def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
-    """The largest ladder size R with all layers' predictors within the paper's 10% of parameters."""
+    """The largest ladder size R with all layers' predictors within the paper's 10% of parameters (at least 16)."""
     per_layer = budget_fraction * cfg.n_params / cfg.n_layers
-    return max(r for r in (16, 32, 64, 128, 256, 512, 1024) if r * (cfg.d_model + cfg.d_ffn) <= per_layer)
+    return max([16] + [r for r in (32, 64, 128, 256, 512, 1024) if r * (cfg.d_model + cfg.d_ffn) <= per_layer])
 
 
 class SyntheticSelect(PredictorSelect):

@@ -11,7 +11,8 @@ import numpy as np
 from numba import cuda
 
 from fast import gpu
-from fast.bench import SHAPES, SyntheticSelect, random_engine, shape_config, synthetic_predictors, time_decode
+from fast.bench import (SHAPES, SyntheticSelect, predictor_size, random_engine, shape_config, synthetic_predictors,
+                        time_decode)
 from fast.engine import DenseSelect
 from fast.hybrid import to_hybrid
 from placement.synthetic import synthetic_counts
@@ -22,7 +23,7 @@ from ref.errors import UserError
 F32 = np.float32
 
 
-def timed(fn, repeats: int = 5) -> float:
+def timed(fn, repeats: int = 3) -> float:
     """Best wall time of `fn` over repeats, the device synchronised around each run."""
     fn()
     cuda.synchronize()
@@ -66,7 +67,7 @@ def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
     cfg = shape_config(shape)
     kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity)
     base = random_engine(cfg, threads)
-    pred = synthetic_predictors(cfg, 256)
+    pred = synthetic_predictors(cfg, predictor_size(cfg))
     model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.w3.nbytes for L in base.layers) + base.lm_head.nbytes
     counts = synthetic_counts(cfg.n_layers, cfg.d_ffn, seed=0)
     hw = HARDWARE["h200"]
