@@ -18,7 +18,7 @@ from fast import cpu
 from ref.config import ModelConfig
 from ref.errors import UserError
 from ref.generate import generate
-from ref.model import KVCache, check_ids, step_ids
+from ref.model import KVCache, check_ids, fired, step_ids
 from ref.sparse import Predictors
 from ref.weights import Weights, upcast
 
@@ -191,7 +191,6 @@ def set_threads(threads: int | None) -> int:
 
 def apply_predictors(engine: Engine, predictors, threshold: float | None = None) -> Engine:
     """Predictor-gated sparse FFN (DESIGN section 2), from a file or a loaded `ref.sparse.Predictors`."""
-    from ref.model import fired
     fired(engine.config.ffn_kind, np.zeros(1), np.zeros(1))  # sparse kinds only: a clear error otherwise
     pred = predictors if isinstance(predictors, Predictors) else Predictors.load(Path(predictors), engine.config)
     theta = pred.threshold if threshold is None else threshold

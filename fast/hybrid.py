@@ -201,7 +201,7 @@ def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray] | None = None, polic
     return HybridEngine(engine, [np.asarray(g, np.int32) for g in gpu_neurons], c.n_layers)
 
 
-def device_hardware() -> "Hardware":
+def device_hardware():
     """The placement profile of the current device: a known card by name, else rtx4090's links with its memory."""
     from placement.budget import HARDWARE, Hardware
     _, total = cuda.current_context().get_memory_info()

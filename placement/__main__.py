@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import click
-import numpy as np
 
 from ref.cli import user_errors
 from ref.config import ModelConfig

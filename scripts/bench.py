@@ -54,7 +54,7 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
            "overhead_share_sparse": overhead * results["sparse"]["tok_s"]}
     size_gib = bytes_per_token(engine, cfg.d_ffn, 0) / 2**30
     click.echo(f"read bandwidth: {read_gbs:.1f} GB/s (numba probe {bw['numba']:.1f}, numpy {bw['numpy']:.1f})")
-    click.echo(f"| model | size | params | backend | threads | test | t/s | GB/s | roofline |")
+    click.echo("| model | size | params | backend | threads | test | t/s | GB/s | roofline |")
     click.echo("| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |")
     for name, r in results.items():
         t = np.asarray(r["runs"])

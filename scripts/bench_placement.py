@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import click
-import numpy as np
 
 from placement.budget import HARDWARE
 from placement.solver import Groups, greedy, repair, solve

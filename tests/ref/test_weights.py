@@ -6,7 +6,7 @@ import pytest
 import ref
 from ref.errors import UserError
 from ref.weights import BF16, open_safetensors, upcast
-from tests.helpers import SHIPPED, SMALL_CONFIG, assert_close, random_tensors, write_model
+from tests.helpers import SMALL_CONFIG, assert_close, random_tensors, write_model
 
 
 def test_shipped_weights_stay_memory_mapped(shipped_model):
