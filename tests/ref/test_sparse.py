@@ -134,3 +134,17 @@ def test_oracle_block_equals_dense_block(small_dir):
     o = apply_oracle(ref.load_model(small_dir))
     h = np.random.default_rng(4).standard_normal((3, SMALL_CONFIG["hidden_size"])).astype(np.float32)
     assert_close(o.ffn_block(1, h), m.dense_ffn_block(1, h), rtol=1e-5)
+
+
+def test_predictors_round_trip_12_layers(tmp_path):
+    """Save and load give back every layer's weights in numeric layer order (10 and 11 after 9) and the metadata."""
+    rng = np.random.default_rng(8)
+    cfg = ref.ModelConfig.from_dict({**SMALL_CONFIG, "num_hidden_layers": 12})
+    fc1 = [rng.standard_normal((4 + l, cfg.d_model)).astype(np.float32) for l in range(12)]
+    fc2 = [rng.standard_normal((cfg.d_ffn, 4 + l)).astype(np.float32) for l in range(12)]
+    save_predictors(tmp_path / "p.safetensors", Predictors(fc1, fc2, -0.5, {"threshold": "-0.5", "target_recall": "0.97"}))
+    got = Predictors.load(tmp_path / "p.safetensors", cfg)
+    assert got.threshold == -0.5 and got.metadata["target_recall"] == "0.97" and got.hidden_sizes == list(range(4, 16))
+    for l in range(12):
+        np.testing.assert_array_equal(got.fc1[l], fc1[l])
+        np.testing.assert_array_equal(got.fc2[l], fc2[l])
