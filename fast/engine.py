@@ -9,7 +9,6 @@ V vocab, R predictor hidden size, C accumulator chunks.
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -18,8 +17,8 @@ from fast import cpu
 from ref.config import ModelConfig
 from ref.errors import UserError
 from ref.generate import generate
-from ref.model import KVCache, check_ids, fired, step_ids
-from ref.sparse import Predictors
+from ref.model import KVCache, check_ids, rope_angles, step_ids
+from ref.sparse import Predictors, resolve_predictors
 from ref.weights import Weights, upcast
 
 DEVICES = ("cpu", "gpu", "hybrid")
@@ -48,9 +47,7 @@ def layout_layer(w: Weights, l: int) -> Layer:
 
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [P, E/2] for every position, computed in float64 as ref.model.rope does."""
-    E = cfg.head_dim
-    inv_freq = cfg.rope_theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)
-    ang = np.arange(cfg.max_seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    ang = rope_angles(np.arange(cfg.max_seq_len), cfg.head_dim, cfg.rope_theta)  # [P, E/2]
     return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
 
 
@@ -162,9 +159,13 @@ class Engine:
             h += self.attention_block(l, h, cache)
             h += self.ffn_block(l, h)
         cache.length += len(ids)
+        return self.output(h)
+
+    def output(self, h: np.ndarray) -> np.ndarray:
+        """Logits [T, V] = lm_head . rmsnorm(h)."""
         x = np.empty_like(h)
-        cpu.rmsnorm(x, h, self.norm, c.rms_norm_eps)
-        logits = np.empty((len(ids), c.vocab_size), F32)
+        cpu.rmsnorm(x, h, self.norm, self.config.rms_norm_eps)
+        logits = np.empty((h.shape[0], self.config.vocab_size), F32)
         cpu.matmul(logits, x, self.lm_head)
         return logits
 
@@ -191,9 +192,7 @@ def set_threads(threads: int | None) -> int:
 
 def apply_predictors(engine: Engine, predictors, threshold: float | None = None) -> Engine:
     """Predictor-gated sparse FFN (DESIGN section 2), from a file or a loaded `ref.sparse.Predictors`."""
-    fired(engine.config.ffn_kind, np.zeros(1), np.zeros(1))  # sparse kinds only: a clear error otherwise
-    pred = predictors if isinstance(predictors, Predictors) else Predictors.load(Path(predictors), engine.config)
-    theta = pred.threshold if threshold is None else threshold
+    pred, theta = resolve_predictors(engine.config, predictors, threshold)
     engine.select = PredictorSelect(pred, theta, engine.config.d_ffn)
     engine.predictor_threshold = theta
     return engine

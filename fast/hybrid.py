@@ -159,11 +159,7 @@ class HybridEngine(Engine):
             h += self.attention_block(l, h, cache)
             h += self.ffn_block(l, h)
         cache.length += T
-        x = np.empty_like(h)
-        cpu.rmsnorm(x, h, self.norm, c.rms_norm_eps)
-        logits = np.empty((T, c.vocab_size), F32)
-        cpu.matmul(logits, x, self.lm_head)
-        return logits
+        return self.output(h)
 
 
 def require_gpu(device: str) -> None:

@@ -19,11 +19,16 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
+def rope_angles(pos: np.ndarray, E: int, theta: float) -> np.ndarray:
+    """pos * theta^(-2i/E) in float64.  pos: [T] -> [T, E/2]."""
+    inv_freq = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)  # [E/2]
+    return np.asarray(pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+
+
 def rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
     """Rotary embedding, HF rotate-half convention: x*cos + rotate_half(x)*sin.  x: [T, h, E], pos: [T]."""
     E = x.shape[-1]
-    inv_freq = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)  # [E/2]
-    ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, E/2]
+    ang = rope_angles(pos, E, theta)  # [T, E/2]
     cos = np.concatenate([np.cos(ang), np.cos(ang)], -1)[:, None, :].astype(x.dtype)  # [T, 1, E]
     sin = np.concatenate([np.sin(ang), np.sin(ang)], -1)[:, None, :].astype(x.dtype)
     rotated = np.concatenate([-x[..., E // 2:], x[..., : E // 2]], -1)  # rotate_half
@@ -71,6 +76,11 @@ def fired(kind: str, g: np.ndarray, u: np.ndarray, t: float = 0.0) -> np.ndarray
     if kind == "drelu":
         return (g > 0) & (u > 0)
     raise UserError(f"FFN kind '{kind}' has no activation sparsity (sparse execution needs relu, fatrelu or drelu)")
+
+
+def require_sparse(kind: str) -> None:
+    """Sparse execution, profiling and predictors need an FFN kind with activation sparsity."""
+    fired(kind, np.zeros(1), np.zeros(1))
 
 
 @dataclass

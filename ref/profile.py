@@ -12,7 +12,7 @@ import numpy as np
 
 from ref.artifacts import atomic_save, layer_keys, sha256_file, sha256_files
 from ref.errors import UserError
-from ref.model import Model, ffn_activation, fired
+from ref.model import Model, ffn_activation, fired, require_sparse
 from ref.progress import Progress
 from ref.weights import checkpoint_files, open_safetensors, read_header
 
@@ -55,7 +55,7 @@ def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = 
 def observe_ffn(model: Model, observer) -> Model:
     """Dense FFN that also reports observer(l, h [T, D], fired mask [T, F]): the profiling transform."""
     c = model.config
-    fired(c.ffn_kind, np.zeros(1), np.zeros(1))  # only kinds with activation sparsity can be profiled
+    require_sparse(c.ffn_kind)
 
     def block(l, h):
         g, u = model.ffn_gate_up(l, h)  # [T, F]

@@ -10,7 +10,7 @@ import numpy as np
 
 from ref.artifacts import layer_keys
 from ref.errors import UserError
-from ref.model import Model, ffn_activation, fired, rmsnorm
+from ref.model import Model, ffn_activation, fired, require_sparse, rmsnorm
 from ref.weights import open_safetensors, read_header, upcast
 
 
@@ -106,16 +106,21 @@ def oracle_set(cfg, x: np.ndarray, wg: np.ndarray, wu: np.ndarray) -> np.ndarray
 
 def apply_oracle(model: Model) -> Model:
     """Sparse FFN over the oracle set: equals dense up to summation order (DESIGN section 2)."""
-    fired(model.config.ffn_kind, np.zeros(1), np.zeros(1))  # sparse kinds only: a clear error otherwise
+    require_sparse(model.config.ffn_kind)
     model.ffn_block = SparseFFN(model, lambda l, h, x, wg, wu: oracle_set(model.config, x, wg, wu))
     return model
 
 
+def resolve_predictors(cfg, predictors: str | Path | Predictors, threshold: float | None) -> tuple[Predictors, float]:
+    """Loaded predictors checked against the model, and the threshold to use (the stored one unless overridden)."""
+    require_sparse(cfg.ffn_kind)
+    pred = predictors if isinstance(predictors, Predictors) else Predictors.load(predictors, cfg)
+    return pred, pred.threshold if threshold is None else threshold
+
+
 def apply_predictors(model: Model, predictors: str | Path | Predictors, threshold: float | None = None) -> Model:
     """Predictor-gated sparse FFN: P = {i : fc2 relu(fc1 h) >= θ} with h the residual before the FFN norm."""
-    fired(model.config.ffn_kind, np.zeros(1), np.zeros(1))
-    pred = predictors if isinstance(predictors, Predictors) else Predictors.load(predictors, model.config)
-    theta = pred.threshold if threshold is None else threshold
+    pred, theta = resolve_predictors(model.config, predictors, threshold)
     model.predictors, model.predictor_threshold = pred, theta
 
     def choose(l, h, x, wg, wu):
