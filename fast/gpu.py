@@ -1,8 +1,8 @@
 """GPU kernels (numba.cuda), mirroring `fast.cpu` name for name and signature for signature (outputs first).
 
 Every reduction goes through shared memory (no warp shuffles), so each kernel runs under the numba CUDA
-simulator (NUMBA_ENABLE_CUDASIM=1) exactly as on a device. No atomics: the down projection is a second
-pass in which each thread owns one output element, so results are bit-identical from run to run.
+simulator (NUMBA_ENABLE_CUDASIM=1) exactly as on a device. No atomics: the down projection writes per-chunk
+partial sums that a last pass adds in a fixed order, so results are bit-identical from run to run.
 Launch constants are module globals read when a kernel is compiled; tests shrink them so several blocks run.
 
 Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
@@ -18,6 +18,7 @@ from fast.cpu import activation_py
 
 THREADS = 256  # threads per block for row reductions (a power of two)
 TILE = 256  # threads per block for elementwise and column kernels
+CHUNKS = 64  # neuron chunks of the down pass: with D / TILE column tiles, enough blocks for every SM
 
 _scratch: dict = {}
 
@@ -133,13 +134,26 @@ def _ffn_gate_up(a, x, w3, active, kind, thr):
 
 
 @cuda.jit
-def _ffn_down(out, a, w3, active, n_active):
-    """Thread d: out[d] = sum_j a[j] down_j[d]; consecutive threads read consecutive d of each down row."""
+def _ffn_down(part, a, w3, active, n_active):
+    """Block (x, c): part[c, d] = sum over chunk c of the active list of a[j] down_j[d]; consecutive threads read
+    consecutive d of each down row. Chunks give the GPU enough blocks to keep its memory busy."""
+    d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    c, C = cuda.blockIdx.y, cuda.gridDim.y
+    if d < part.shape[1]:
+        s = float32(0.0)
+        for j in range(c * n_active // C, (c + 1) * n_active // C):
+            s += a[j] * w3[active[j], 2, d]
+        part[c, d] = s
+
+
+@cuda.jit
+def _sum_rows(out, part):
+    """Thread d: out[d] = sum_c part[c, d], chunks in order (no atomics: the same bits every run)."""
     d = cuda.grid(1)
     if d < out.shape[0]:
         s = float32(0.0)
-        for j in range(n_active):
-            s += a[j] * w3[active[j], 2, d]
+        for c in range(part.shape[0]):
+            s += part[c, d]
         out[d] = s
 
 
@@ -196,11 +210,13 @@ def attention(out, q, k, v, pos0, scores):
 
 
 def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
-    """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (the activations live in a device scratch)."""
-    a = scratch("ffn_a", max(n_active, 1))
+    """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch)."""
+    D, C = out.shape[0], max(1, min(CHUNKS, n_active))
+    a, part = scratch("ffn_a", max(n_active, 1)), scratch("ffn_part", C * D).reshape(C, D)
     if n_active:
         _ffn_gate_up[n_active, THREADS](a, x, w3, active, kind, np.float32(thr))
-    _ffn_down[(out.shape[0] + TILE - 1) // TILE, TILE](out, a, w3, active, n_active)
+    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, w3, active, n_active)
+    _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 
 
 def predictor(out, hidden, h, fc1, fc2):
@@ -212,7 +228,6 @@ def predicted_set(active, logits, threshold) -> int:
     n = scratch("n_active", 1, np.int32)
     _predicted_set[1, THREADS](active, n, logits, np.float32(threshold))
     return int(n.copy_to_host()[0])
-
 
 
 @cuda.jit

@@ -98,16 +98,17 @@ class Budget:
 
 
 def dense_parts(cfg: ModelConfig, dtype: str, ctx: int, predictor_params: list[int]) -> list[tuple[str, int]]:
-    """Dense GPU candidates in PowerInfer's order with their bytes: attention of every layer, predictors,
-    FFN norms, final norm and lm_head, KV cache for `ctx` tokens (same dtype as the weights)."""
+    """Dense GPU candidates in PowerInfer's order with their bytes: attention of every layer (with that layer's
+    KV cache for `ctx` tokens, in the weights' dtype: attention runs where its cache is), predictors, FFN norms,
+    final norm and lm_head."""
     b = DTYPE_BYTES[dtype]
     D, E = cfg.d_model, cfg.head_dim
     attn = (2 * D * cfg.n_heads * E + 2 * D * cfg.n_kv_heads * E + D) * b  # wq, wo, wk, wv, attn_norm
-    parts = [(f"attention.{l}", attn) for l in range(cfg.n_layers)]
+    kv = 2 * ctx * cfg.n_kv_heads * E * b
+    parts = [(f"attention.{l}", attn + kv) for l in range(cfg.n_layers)]
     parts += [(f"predictor.{l}", n * b) for l, n in enumerate(predictor_params)]
     parts.append(("ffn_norms", cfg.n_layers * D * b))
     parts.append(("output", (D + cfg.vocab_size * D) * b))  # final norm and lm_head
-    parts.append(("kv_cache", 2 * cfg.n_layers * ctx * cfg.n_kv_heads * E * b))
     return parts
 
 

@@ -81,31 +81,28 @@ def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
         row = {"budget_share": share, "budget_gib": budget / 2**30, "gpu_layers": layers_n, "layers_tok_s": t_layers}
         try:
             plan = plan_budget(cfg, "float32", cfg.max_seq_len, budget, [pred.n_params // cfg.n_layers] * cfg.n_layers)
-            on_gpu = {n for n, _ in plan.on_gpu}
-        except UserError:  # not even the scratch headroom and one attention fit
-            on_gpu = set()
-        if all(f"attention.{l}" in on_gpu for l in range(cfg.n_layers)) and "output" in on_gpu:
-            min_cpu = [hw.min_cpu_neurons(plan.neuron_bytes, cfg.d_model)] * cfg.n_layers
-            placed = solve(counts, plan.neuron_bytes, plan.ffn_budget_bytes, min_cpu, time_limit=10)
-            base.select = SyntheticSelect(pred, cfg, sparsity)
-            hybrid = to_hybrid(base, placed.gpu_neurons)
-            t_hybrid = float(np.median(time_decode(hybrid, tokens, runs)))
-            del hybrid
-            row.update(gpu_neurons_share=sum(map(len, placed.gpu_neurons)) / (cfg.n_layers * cfg.d_ffn),
-                       hybrid_tok_s=t_hybrid, speedup=t_hybrid / t_layers)
-        rows.append(row)  # without a hybrid entry: this engine needs all attention on the GPU, and it does not fit
+        except UserError:  # not even the scratch headroom and one attention fit: all on the CPU
+            plan = plan_budget(cfg, "float32", cfg.max_seq_len, 0)
+        min_cpu = [hw.min_cpu_neurons(plan.neuron_bytes, cfg.d_model)] * cfg.n_layers
+        placed = solve(counts, plan.neuron_bytes, plan.ffn_budget_bytes, min_cpu, time_limit=10)
+        base.select = SyntheticSelect(pred, cfg, sparsity)
+        hybrid = to_hybrid(base, placed.gpu_neurons, dense_on_gpu=[n for n, _ in plan.on_gpu])
+        t_hybrid = float(np.median(time_decode(hybrid, tokens, runs)))
+        row.update(gpu_attention=hybrid.n_gpu_layers, hybrid_tok_s=t_hybrid, speedup=t_hybrid / t_layers,
+                   gpu_neurons_share=sum(map(len, placed.gpu_neurons)) / (cfg.n_layers * cfg.d_ffn))
+        del hybrid
+        rows.append(row)
     out = {"shape": shape, "kernels_gbs": kernels, "decode": rows}
     if json_file:
         json_file.write_text(json.dumps(out, indent=2) + "\n")
     click.echo(f"kernels ({shape} FFN shape, {sparsity:.0%} sparse): "
                + ", ".join(f"{k} {v:.0f} GB/s" for k, v in kernels.items())
                + f"; sparse_ffn at {kernels['sparse_ffn'] / kernels['copy']:.0%} of copy")
-    click.echo("| budget | GiB | layer policy: GPU layers | t/s | hybrid: GPU neurons | t/s | hybrid / layers |")
-    click.echo("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    click.echo("| budget | GiB | layer policy: GPU layers | t/s | hybrid: GPU attention | GPU neurons | t/s | hybrid / layers |")
+    click.echo("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        hybrid = (f"{r['gpu_neurons_share']:.0%} | {r['hybrid_tok_s']:.2f} | {r['speedup']:.2f}x" if "speedup" in r
-                  else "attention does not fit | - | -")
-        click.echo(f"| {r['budget_share']:.0%} | {r['budget_gib']:.1f} | {r['gpu_layers']} | {r['layers_tok_s']:.2f} | {hybrid} |")
+        click.echo(f"| {r['budget_share']:.0%} | {r['budget_gib']:.1f} | {r['gpu_layers']} | {r['layers_tok_s']:.2f} | "
+                   f"{r['gpu_attention']} | {r['gpu_neurons_share']:.0%} | {r['hybrid_tok_s']:.2f} | {r['speedup']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ def small_launches(monkeypatch):
     if SIMULATED:
         monkeypatch.setattr(gpu, "THREADS", 8)
         monkeypatch.setattr(gpu, "TILE", 8)
+        monkeypatch.setattr(gpu, "CHUNKS", 3)
 
 
 @pytest.mark.parametrize("name, shape", CASES, ids=[f"{n}-{'-'.join(map(str, s.values()))}" for n, s in CASES])

@@ -24,6 +24,7 @@ def small_launches(monkeypatch):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         monkeypatch.setattr(gpu, "THREADS", 4)
         monkeypatch.setattr(gpu, "TILE", 4)
+        monkeypatch.setattr(gpu, "CHUNKS", 3)
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +43,27 @@ def cpu_engine(d):
     return fast.Engine.load(d, predictors=d / "predictors.safetensors")
 
 
-@pytest.mark.parametrize("split", ["none", "all", "random"])
-def test_hybrid_logits_match_ref(tiny, split):
+SPLITS = {"none": lambda rng: [np.empty(0, np.int32)] * 2, "all": lambda rng: [np.arange(12, dtype=np.int32)] * 2,
+          "random": lambda rng: [np.sort(rng.choice(12, 5, replace=False)).astype(np.int32) for _ in range(2)]}
+DENSE = {"all": None, "cpu attention": ["attention.0", "predictor.1", "output"],  # the residual changes sides
+         "cpu predictors": ["attention.0", "attention.1", "ffn_norms"], "none": []}
+
+
+@pytest.mark.parametrize("split, dense", [("none", "all"), ("all", "all"), ("random", "cpu attention"),
+                                          ("random", "cpu predictors"), ("all", "none")])
+def test_hybrid_logits_match_ref(tiny, split, dense):
     d, cfg, want = tiny
-    rng = np.random.default_rng(7)
-    neurons = {"none": [np.empty(0, np.int32)] * 2, "all": [np.arange(12, dtype=np.int32)] * 2,
-               "random": [np.sort(rng.choice(12, 5, replace=False)).astype(np.int32) for _ in range(2)]}[split]
-    hybrid = to_hybrid(cpu_engine(d), neurons)
+    hybrid = to_hybrid(cpu_engine(d), SPLITS[split](np.random.default_rng(7)), dense_on_gpu=DENSE[dense])
     assert_close(hybrid.logits(IDS), want, rtol=1e-4)
+
+
+def test_hybrid_decode_matches_ref(tiny):
+    """Prefill then one-token steps through the KV caches on both sides (attention of layer 1 on the CPU)."""
+    d, cfg, want = tiny
+    hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
+    cache = hybrid.new_cache()
+    got = np.concatenate([hybrid.forward(IDS[:2], cache), hybrid.forward(IDS[2:], cache)])
+    assert_close(got, want, rtol=1e-4)
 
 
 def test_solver_split_through_engine_load_and_repeatable(tiny):
@@ -74,7 +88,8 @@ def test_layer_policy_matches_ref(tiny):
     d, cfg, want = tiny
     base = cpu_engine(d)
     L0 = base.layers[0]
-    one_layer = L0.attn_norm.nbytes + L0.wqkv.nbytes + L0.wo.nbytes + L0.ffn_norm.nbytes + L0.w3.nbytes
+    kv = 2 * cfg.max_seq_len * cfg.n_kv_heads * cfg.head_dim * 4
+    one_layer = L0.attn_norm.nbytes + L0.wqkv.nbytes + L0.wo.nbytes + L0.ffn_norm.nbytes + L0.w3.nbytes + kv
     e = to_hybrid(base, policy="layers", budget_bytes=one_layer + 10)
     assert e.n_gpu_layers == 1
     assert_close(e.logits(IDS), want, rtol=1e-4)
@@ -84,8 +99,19 @@ def test_placement_of_another_model(tiny):
     d, cfg, _ = tiny
     with pytest.raises(UserError, match="outside \\[0, 12\\)"):
         to_hybrid(cpu_engine(d), [np.array([3, 40], np.int32)] * 2)
+    with pytest.raises(UserError, match="unknown dense part 'attention.7'"):
+        to_hybrid(cpu_engine(d), [np.array([3], np.int32)] * 2, dense_on_gpu=["attention.7"])
     with pytest.raises(UserError, match="larger than the GPU"):
         fast.Engine.load(d, device="hybrid", vram_budget=10_000)
+
+
+def test_shipped_placement_loads():
+    """The shipped placement names only dense parts the engine knows (solved by the README's command)."""
+    from fast.hybrid import dense_names
+    from placement.solver import load_placement
+    from tests.helpers import SHIPPED
+    neurons, meta = load_placement(SHIPPED / "placement.safetensors", 6, 1024)
+    assert set(meta["dense_on_gpu"]) <= set(dense_names(6)) and len(neurons) == 6
 
 
 def test_bench_gpu_smoke(tmp_path):
@@ -103,3 +129,4 @@ def test_bench_gpu_smoke(tmp_path):
     assert r.exit_code == 0, r.output
     row = json.loads((tmp_path / "b.json").read_text())["decode"][0]
     assert row["gpu_layers"] == 2 and row["hybrid_tok_s"] > 0 and "hybrid / layers" in r.output
+
