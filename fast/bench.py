@@ -4,8 +4,6 @@ Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V v
 """
 
 import time
-from dataclasses import dataclass
-
 import numpy as np
 
 from fast import cpu
@@ -54,8 +52,10 @@ class SyntheticSelect(PredictorSelect):
     """Runs the real-size predictor (its cost is real), then uses an active set drawn from a power-law neuron
     frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1."""
 
-    def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, seed: int = 0, pool: int = 32, alpha: float = 1.0):
-        super().__init__(pred, 0.0, cfg.d_ffn)
+    def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, chunks: int, seed: int = 0, pool: int = 32,
+                 alpha: float = 1.0):
+        super().__init__(pred, 0.0, cfg.d_ffn, chunks)
+        self.live_units = self.units = 0
         rng = np.random.default_rng(seed)
         F = cfg.d_ffn
         target = (1 - sparsity) * F
@@ -72,8 +72,15 @@ class SyntheticSelect(PredictorSelect):
 
     def __call__(self, l, h):
         super().__call__(l, h)
+        R = self.fc1[l].shape[0]
+        self.live_units += np.count_nonzero(self.hidden[:R])
+        self.units += R
         s = self.draw(l)
         return s, len(s)
+
+    def live_fraction(self) -> float:
+        """Share of predictor hidden units relu left nonzero so far: the share of fc2 rows the CPU read."""
+        return self.live_units / self.units if self.units else 1.0
 
     def draw(self, l: int) -> np.ndarray:
         """The next pre-drawn active set of layer l (the engines call this after running the predictor)."""
@@ -92,50 +99,54 @@ def synthetic_predictors(cfg: ModelConfig, R: int, seed: int = 0) -> Predictors:
                       [(rng.random((cfg.d_ffn, R), dtype=F32) - F32(0.5)) for _ in range(cfg.n_layers)], 0.0, {})
 
 
-def read_bandwidth(gib: float = 2.0, repeats: int = 5) -> dict:
-    """Best-of-several streaming-read probes in GB/s: numba prange with 4 rows in flight per worker, and numpy."""
-    cols = 1 << 14
-    rows = int(gib * 2**30 / 4 / cols) // 4 * 4
-    a = np.ones((rows, cols), F32)
-    out = np.empty(rows // 4, F32)
-    cpu.read_bandwidth_probe(out, a)  # compile and fault the pages in
-    best = {"numba": 0.0, "numpy": 0.0}
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        cpu.read_bandwidth_probe(out, a)
-        best["numba"] = max(best["numba"], a.nbytes / (time.perf_counter() - t0) / 1e9)
-        t0 = time.perf_counter()
-        a.sum(dtype=F32)
-        best["numpy"] = max(best["numpy"], a.nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
+class ReadProbe:
+    """Streaming-read bandwidth of this machine in GB/s, over one fixed array: numba prange with 4 rows in flight
+    per worker, and numpy's sum; best of `repeats` each. Called once per benchmark round, beside the runs."""
+
+    def __init__(self, gib: float = 2.0):
+        cols = 1 << 14
+        rows = max(4, int(gib * 2**30 / 4 / cols) // 4 * 4)
+        self.a, self.out = np.ones((rows, cols), F32), np.empty(rows // 4, F32)
+        cpu.read_bandwidth_probe(self.out, self.a)  # compile and fault the pages in
+
+    def __call__(self, repeats: int = 3) -> dict:
+        best = {"numba": 0.0, "numpy": 0.0}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            cpu.read_bandwidth_probe(self.out, self.a)
+            best["numba"] = max(best["numba"], self.a.nbytes / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            self.a.sum(dtype=F32)
+            best["numpy"] = max(best["numpy"], self.a.nbytes / (time.perf_counter() - t0) / 1e9)
+        return best
 
 
-@dataclass
-class DecodeResult:
-    tok_s: list  # per run
-    bytes_per_token: float
-
-
-def bytes_per_token(engine: Engine, active_neurons: float, predictor_params: int) -> float:
-    """Weight bytes a decode step reads: attention, the active FFN bundles, predictors, lm_head."""
+def bytes_per_token(engine: Engine, active_neurons: float, select: PredictorSelect | None = None) -> float:
+    """Weight bytes a decode step reads: attention, the active FFN bundles, predictors (fc1, and the fc2 rows of
+    live hidden units), lm_head."""
     c, L0 = engine.config, engine.layers[0]
     attn = (L0.wqkv.size + L0.wo.size) * 4
     ffn = active_neurons * 3 * c.d_model * 4
-    return c.n_layers * (attn + ffn) + predictor_params * 4 + engine.lm_head.nbytes
+    pred = 0.0
+    if select is not None:
+        pred = sum(a.nbytes for a in select.fc1) + sum(b.nbytes for b in select.fc2t) * select.live_fraction()
+    return c.n_layers * (attn + ffn) + pred + engine.lm_head.nbytes
+
+
+def decode_tok_s(engine: Engine, tokens: int, seed: int = 0) -> float:
+    """Decode tok/s of one run: `tokens` one-token steps after a one-token prompt."""
+    cache = engine.new_cache(tokens + 1)
+    engine.forward([1], cache)
+    t0 = time.perf_counter()
+    for i in range(tokens):
+        engine.forward([(7 * i + seed) % engine.config.vocab_size], cache)
+    return tokens / (time.perf_counter() - t0)
 
 
 def time_decode(engine: Engine, tokens: int, runs: int) -> list[float]:
     """Decode tok/s of `runs` runs of `tokens` steps each, after one warm-up run."""
-    out = []
-    for r in range(runs + 1):
-        cache = engine.new_cache(tokens + 1)
-        engine.forward([1], cache)
-        t0 = time.perf_counter()
-        for i in range(tokens):
-            engine.forward([(7 * i + r) % engine.config.vocab_size], cache)
-        if r:
-            out.append(tokens / (time.perf_counter() - t0))
-    return out
+    decode_tok_s(engine, tokens)
+    return [decode_tok_s(engine, tokens, r) for r in range(1, runs + 1)]
 
 
 def overhead_per_token(cfg: ModelConfig, threads: int, tokens: int = 32) -> float:

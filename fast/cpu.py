@@ -123,6 +123,17 @@ def activation_py(kind, g, u, thr):
 activation = njit(inline="always")(activation_py)
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def sum_chunks(out, acc):
+    """out = sum over chunks of acc, in chunk order (the serial reduction after the workers).  out: [N]; acc: [C, N]."""
+    C, N = acc.shape
+    for n in range(N):
+        s = np.float32(0.0)
+        for c in range(C):
+            s += acc[c, n]
+        out[n] = s
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
     """out = sum_{j < n_active} a_i w3[i, 2], i = active[j], a_i = a(w3[i, 0].x, w3[i, 1].x): PowerInfer's
@@ -159,11 +170,7 @@ def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
             a = np.float32(activation(kind, g, u, thr))
             for d in range(D):
                 acc[c, d] += a * w3[i, 2, d]
-    for d in prange(D):
-        s = np.float32(0.0)
-        for c in range(C):
-            s += acc[c, d]
-        out[d] = s
+    sum_chunks(out, acc)
 
 
 @njit(cache=True)
@@ -172,11 +179,43 @@ def relu_(x):
         x.flat[i] = max(x.flat[i], 0.0)
 
 
-def predictor(out, hidden, h, fc1, fc2):
-    """out = fc2 . relu(fc1 . h) through the streaming matmul.  out: [F]; hidden: [R] scratch; h: [D]; fc1: [R, D]; fc2: [F, R]."""
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def rows_axpy(out, acc, a, rows):
+    """out = sum_r a[r] rows[r] over the r with a[r] != 0, each row streamed whole; chunks of the nonzero r go to
+    private accumulators, then a serial reduction.  out: [N]; acc: [C, N]; a: [R]; rows: [R, N]."""
+    C, N = acc.shape
+    nz = np.empty(a.shape[0], np.int32)
+    n = 0
+    for r in range(a.shape[0]):
+        if a[r] != 0:
+            nz[n] = r
+            n += 1
+    for c in prange(C):
+        for f in range(N):
+            acc[c, f] = 0.0
+        j, hi = c * n // C, (c + 1) * n // C
+        while j + 2 <= hi:
+            r0, r1 = nz[j], nz[j + 1]
+            a0, a1 = a[r0], a[r1]
+            for f in range(N):
+                acc[c, f] += a0 * rows[r0, f] + a1 * rows[r1, f]
+            j += 2
+        if j < hi:
+            r0 = nz[j]
+            for f in range(N):
+                acc[c, f] += a[r0] * rows[r0, f]
+    sum_chunks(out, acc)
+
+
+def predictor(out, acc, hidden, h, fc1, fc2t):
+    """out = fc2 . relu(fc1 . h). fc2 is stored transposed, one row per hidden unit, so the units relu zeroes
+    (about half) are skipped whole: measured 5.6 vs 8.1 ms per token at TinyLlama's shape, R = 512.
+
+    out: [F]; acc: [C, F] scratch; hidden: [R] scratch; h: [D]; fc1: [R, D]; fc2t: [R, F].
+    """
     matmul(hidden.reshape(1, -1), h.reshape(1, -1), fc1)
     relu_(hidden)
-    matmul(out.reshape(1, -1), hidden.reshape(1, -1), fc2)
+    rows_axpy(out, acc, hidden, fc2t)
 
 
 @njit(cache=True)

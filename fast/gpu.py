@@ -134,15 +134,17 @@ def _ffn_gate_up(a, x, w3, active, kind, thr):
 
 
 @cuda.jit
-def _ffn_down(part, a, w3, active, n_active):
-    """Block (x, c): part[c, d] = sum over chunk c of the active list of a[j] down_j[d]; consecutive threads read
-    consecutive d of each down row. Chunks give the GPU enough blocks to keep its memory busy."""
+def _rows_axpy(part, a, rows, slot, idx, n):
+    """Block (x, c): part[c, d] = sum over chunk c of j < n of a[j] rows[idx[j], slot, d], rows with a[j] == 0 not read
+    (the branch is uniform over the block); consecutive threads read consecutive d of a row. Chunks give the GPU
+    enough blocks to keep its memory busy."""
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     c, C = cuda.blockIdx.y, cuda.gridDim.y
     if d < part.shape[1]:
         s = float32(0.0)
-        for j in range(c * n_active // C, (c + 1) * n_active // C):
-            s += a[j] * w3[active[j], 2, d]
+        for j in range(c * n // C, (c + 1) * n // C):
+            if a[j] != 0:
+                s += a[j] * rows[idx[j], slot, d]
         part[c, d] = s
 
 
@@ -209,19 +211,40 @@ def attention(out, q, k, v, pos0, scores):
     _attention[q.shape[0] * q.shape[1], THREADS](out, q, k, v, pos0, scores)
 
 
-def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
-    """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch)."""
-    D, C = out.shape[0], max(1, min(CHUNKS, n_active))
-    a, part = scratch("ffn_a", max(n_active, 1)), scratch("ffn_part", C * D).reshape(C, D)
-    if n_active:
-        _ffn_gate_up[n_active, THREADS](a, x, w3, active, kind, np.float32(thr))
-    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, w3, active, n_active)
+def gather_axpy(out, a, rows, slot, idx, n):
+    """out = sum_{j < n} a[j] rows[idx[j], slot]: chunked partial sums, then their sum in a fixed order.
+    rows: [N, k, D] (w3 with slot 2 = down; a plain [N, D] matrix as [N, 1, D])."""
+    D, C = out.shape[0], max(1, min(CHUNKS, n))
+    part = scratch("axpy_part", C * D).reshape(C, D)
+    _rows_axpy[((D + TILE - 1) // TILE, C), TILE](part, a, rows, slot, idx, n)
     _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 
 
-def predictor(out, hidden, h, fc1, fc2):
+def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
+    """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch)."""
+    a = scratch("ffn_a", max(n_active, 1))
+    if n_active:
+        _ffn_gate_up[n_active, THREADS](a, x, w3, active, kind, np.float32(thr))
+    gather_axpy(out, a, w3, 2, active, n_active)
+
+
+def rows_axpy(out, acc, a, rows):
+    """Same contract as fast.cpu.rows_axpy; `acc` is unused here."""
+    gather_axpy(out, a, rows.reshape(rows.shape[0], 1, -1), 0, iota(rows.shape[0]), rows.shape[0])
+
+
+def predictor(out, acc, hidden, h, fc1, fc2t):
+    """Same contract as fast.cpu.predictor."""
     _rows_dot[fc1.shape[0], THREADS](hidden.reshape(1, -1), h.reshape(1, -1), fc1, True)
-    _rows_dot[fc2.shape[0], THREADS](out.reshape(1, -1), hidden.reshape(1, -1), fc2, False)
+    rows_axpy(out, acc, hidden, fc2t)
+
+
+def iota(n: int):
+    """Device [0, 1, ..., n-1] (int32), kept and grown as needed."""
+    buf = _scratch.get("iota")
+    if buf is None or buf.size < n:
+        buf = _scratch["iota"] = cuda.to_device(np.arange(max(n, 1), dtype=np.int32))
+    return buf[:n]
 
 
 def predicted_set(active, logits, threshold) -> int:

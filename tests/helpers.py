@@ -1,5 +1,6 @@
 """Shared test helpers: the one comparison helper and random HF-layout model folders."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -14,6 +15,14 @@ SMALL_CONFIG = {
     "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "vocab_size": 50, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float16",
 }
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (its click command is `.main`)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_close(actual, expected, rtol=1e-4, atol=0.0, name="value"):

@@ -62,11 +62,18 @@ def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3):
     return lambda k: (k.sparse_ffn(out, acc, x, w3, active, n_active, KIND_IDS[kind], F32(0.1)), out)[1], want
 
 
-def case_predictor(rng, D, R, F):
+def case_predictor(rng, D, R, F, chunks=3):
     h, fc1, fc2 = randn(rng, D, scale=2), randn(rng, R, D), randn(rng, F, R)
-    out, hidden = np.empty(F, F32), np.empty(R, F32)
-    return (lambda k: (k.predictor(out, hidden, h, fc1, fc2), out)[1],
+    out, acc, hidden, fc2t = np.empty(F, F32), np.empty((chunks, F), F32), np.empty(R, F32), np.ascontiguousarray(fc2.T)
+    return (lambda k: (k.predictor(out, acc, hidden, h, fc1, fc2t), out)[1],
             predictor_logits(h[None].astype(np.float64), fc1.astype(np.float64), fc2.astype(np.float64))[0])
+
+
+def case_rows_axpy(rng, R, N, zeros, chunks=3):
+    a, rows = randn(rng, R), randn(rng, R, N)
+    a[rng.choice(R, zeros, replace=False)] = 0  # skipped rows
+    out, acc = np.empty(N, F32), np.empty((chunks, N), F32)
+    return lambda k: (k.rows_axpy(out, acc, a, rows), out)[1], a.astype(np.float64) @ rows.astype(np.float64)
 
 
 def case_predicted_set(rng, F, threshold):
@@ -78,7 +85,7 @@ def case_predicted_set(rng, F, threshold):
 
 CASES = {
     "rmsnorm": case_rmsnorm, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
-    "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
+    "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "rows_axpy": case_rows_axpy, "predicted_set": case_predicted_set,
 }
 
 # (kernel, shape): tails (sizes off every block), single tokens, GQA and MHA, empty and full active sets.
@@ -93,6 +100,8 @@ SHAPES = [
     ("sparse_ffn", dict(F=64, D=16, n_active=50, kind="drelu")), ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="silu")),
     ("sparse_ffn", dict(F=9, D=5, n_active=2, kind="relu", chunks=7)),
     ("predictor", dict(D=19, R=5, F=77)), ("predictor", dict(D=64, R=16, F=100)),
+    ("predictor", dict(D=8, R=1, F=9, chunks=1)),
+    ("rows_axpy", dict(R=9, N=33, zeros=4)), ("rows_axpy", dict(R=5, N=7, zeros=5)), ("rows_axpy", dict(R=4, N=1, zeros=0)),
     ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=10, threshold=-5.0)),
     ("predicted_set", dict(F=10, threshold=5.0)),
 ]
@@ -117,7 +126,7 @@ SIM_SHAPES = [
     ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")), ("sparse_ffn", dict(F=12, D=19, n_active=12, kind="relu")),
     ("sparse_ffn", dict(F=30, D=9, n_active=7, kind="fatrelu")), ("sparse_ffn", dict(F=16, D=9, n_active=5, kind="drelu")),
     ("sparse_ffn", dict(F=6, D=9, n_active=6, kind="silu")),
-    ("predictor", dict(D=19, R=5, F=11)),
+    ("predictor", dict(D=19, R=5, F=11)), ("rows_axpy", dict(R=6, N=19, zeros=2)), ("rows_axpy", dict(R=3, N=5, zeros=3)),
     ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=5, threshold=-5.0)),
     ("predicted_set", dict(F=10, threshold=5.0)),
 ]

@@ -116,15 +116,11 @@ def test_shipped_placement_loads():
 
 def test_bench_gpu_smoke(tmp_path):
     """scripts/bench_gpu.py end to end on a micro shape (its real run is scripts/device_check.sh's)."""
-    import importlib.util
     import json
 
     from click.testing import CliRunner
-    from tests.helpers import ROOT
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    r = CliRunner().invoke(bench.main, ["--shape", "micro", "--tokens", "1", "--runs", "1", "--budgets", "40", "-t", "1",
+    from tests.helpers import load_script
+    r = CliRunner().invoke(load_script("bench_gpu").main, ["--shape", "micro", "--tokens", "1", "--runs", "1", "--budgets", "40", "-t", "1",
                                         "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
     row = json.loads((tmp_path / "b.json").read_text())["decode"][0]

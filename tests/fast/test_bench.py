@@ -1,0 +1,35 @@
+"""scripts/bench.py end to end on a micro shape, and its synthetic active sets."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fast.bench import SyntheticSelect, shape_config, synthetic_predictors
+from tests.helpers import load_script
+
+
+def test_bench_table_and_json(tmp_path):
+    r = CliRunner().invoke(load_script("bench").main, ["--shape", "micro", "--tokens", "2", "--runs", "2",
+                                                       "--probe-gib", "0.01", "-t", "1", "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert len(out["rounds"]) == 2 and out["ratio_sparse_dense"] > 0 and out["read_bandwidth_gbs"] > 0
+    assert out["sparse"]["bytes_per_token"] < out["dense"]["bytes_per_token"]
+    assert "| numba-cpu dense | 1 | tg2 |" in r.output and "sparse/dense:" in r.output
+
+
+@pytest.mark.parametrize("args, message", [(["--sparsity", "1"], "--sparsity must be in"), (["--runs", "0"], "--runs")])
+def test_bench_bad_options(args, message):
+    r = CliRunner().invoke(load_script("bench").main, ["--shape", "micro", *args])
+    assert r.exit_code == 2 and message in r.output
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_synthetic_sets_have_the_asked_size(sparsity):
+    cfg = shape_config("tiny")
+    select = SyntheticSelect(synthetic_predictors(cfg, 16), cfg, sparsity, chunks=2)
+    assert abs(select.mean_active() / cfg.d_ffn - (1 - sparsity)) < 0.02
+    s = select.draw(0)
+    assert np.all(np.diff(s) > 0) and s.dtype == np.int32
