@@ -184,12 +184,15 @@ def _predicted_set(active, n_out, logits, threshold):
             pos += 1
 
 
-def scratch(name: str, size: int, dtype=np.float32):
-    """A reused device buffer of at least `size` elements (no allocation per call)."""
+def scratch(name: str, shape, dtype=np.float32):
+    """A reused device buffer of `shape` (an int or a tuple): no allocation per call, since cuMemAlloc per layer and
+    token would cost more than the kernels. Launches are ordered on one stream, so buffers are reused safely."""
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    size = int(np.prod(shape))
     buf = _scratch.get((name, dtype))
     if buf is None or buf.size < size:
         buf = _scratch[(name, dtype)] = cuda.device_array(max(size, 1), dtype)
-    return buf[:size]
+    return buf[:size].reshape(shape)
 
 
 def rmsnorm(out, x, w, eps):
@@ -215,7 +218,7 @@ def gather_axpy(out, a, rows, slot, idx, n):
     """out = sum_{j < n} a[j] rows[idx[j], slot]: chunked partial sums, then their sum in a fixed order.
     rows: [N, k, D] (w3 with slot 2 = down; a plain [N, D] matrix as [N, 1, D])."""
     D, C = out.shape[0], max(1, min(CHUNKS, n))
-    part = scratch("axpy_part", C * D).reshape(C, D)
+    part = scratch("axpy_part", (C, D))
     _rows_axpy[((D + TILE - 1) // TILE, C), TILE](part, a, rows, slot, idx, n)
     _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 

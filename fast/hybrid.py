@@ -118,9 +118,9 @@ class HybridEngine(Engine):
         c = self.config
         attn_norm, wq, wk, wv, wo = self.gpu_layers[l].attention
         T, s0, H, K, E = h_d.shape[0], cache.length, c.n_heads, c.n_kv_heads, c.head_dim
-        x = cuda.device_array((T, c.d_model), F32)
+        x = gpu.scratch("attn_x", (T, c.d_model))
         gpu.rmsnorm(x, h_d, attn_norm, c.rms_norm_eps)
-        q, k, v = (cuda.device_array((T, n * E), F32) for n in (H, K, K))
+        q, k, v = (gpu.scratch(name, (T, n * E)) for name, n in (("q", H), ("k", K), ("v", K)))
         gpu.matmul(q, x, wq)
         gpu.matmul(k, x, wk)
         gpu.matmul(v, x, wv)
@@ -128,9 +128,9 @@ class HybridEngine(Engine):
         gpu.rope(q3, q3, self.cos_d, self.sin_d, s0)
         gpu.rope(cache.kd[l][s0:s0 + T], k.reshape(T, K, E), self.cos_d, self.sin_d, s0)
         cache.vd[l][s0:s0 + T].copy_to_device(v.reshape(T, K, E))
-        att = cuda.device_array((T, H, E), F32)
-        gpu.attention(att, q3, cache.kd[l][:s0 + T], cache.vd[l][:s0 + T], s0, cuda.device_array((T * H, s0 + T), F32))
-        o = cuda.device_array((T, c.d_model), F32)
+        att = gpu.scratch("att", (T, H, E))
+        gpu.attention(att, q3, cache.kd[l][:s0 + T], cache.vd[l][:s0 + T], s0, gpu.scratch("scores", (T * H, s0 + T)))
+        o = gpu.scratch("attn_out", (T, c.d_model))
         gpu.matmul(o, att.reshape(T, H * E), wo)
         gpu.add(h_d, o)
 
@@ -163,14 +163,15 @@ class HybridEngine(Engine):
             h.cpu()
         T, D = h.a.shape
         if h.on_gpu:
-            x_d = cuda.device_array((T, D), F32)
+            x_d = gpu.scratch("ffn_x", (T, D))
             gpu.rmsnorm(x_d, h.a, G.ffn_norm, c.rms_norm_eps)
             x = x_d.copy_to_host()  # [T, D]
         else:
             x = np.empty_like(h.a)
             cpu.rmsnorm(x, h.a, L.ffn_norm, c.rms_norm_eps)
-            x_d = cuda.to_device(x)
-        y_d, y_cpu_d = gpu.scratch("y_gpu", D).reshape(1, D), gpu.scratch("y_cpu", D).reshape(1, D)
+            x_d = gpu.scratch("ffn_x", (T, D))
+            x_d.copy_to_device(x)
+        y_d, y_cpu_d = gpu.scratch("y_gpu", (1, D)), gpu.scratch("y_cpu", (1, D))
         for t in range(T):
             active = self.active_set(l, h, t)
             if len(active) == c.d_ffn:
@@ -217,9 +218,9 @@ class HybridEngine(Engine):
         cache.length += len(ids)
         if not self.out_on_gpu:
             return self.output(h.cpu())
-        x_d = cuda.device_array((len(ids), c.d_model), F32)
+        x_d = gpu.scratch("out_x", (len(ids), c.d_model))
         gpu.rmsnorm(x_d, h.gpu(), self.norm_d, c.rms_norm_eps)
-        logits = cuda.device_array((len(ids), c.vocab_size), F32)
+        logits = gpu.scratch("logits", (len(ids), c.vocab_size))
         gpu.matmul(logits, x_d, self.lm_head_d)
         return logits.copy_to_host()
 
