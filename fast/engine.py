@@ -22,6 +22,7 @@ from ref.sparse import Predictors, resolve_predictors
 from ref.weights import Weights, upcast
 
 DEVICES = ("cpu", "gpu", "hybrid")
+POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style whole layers on the GPU
 F32 = np.float32
 
 

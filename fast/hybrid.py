@@ -17,12 +17,11 @@ import numpy as np
 from numba import cuda
 
 from fast import cpu, gpu
-from fast.engine import Engine, PredictorSelect
+from fast.engine import POLICIES, Engine, PredictorSelect
 from ref.errors import UserError
 from ref.model import KVCache, step_ids
 
 F32 = np.float32
-POLICIES = ("hybrid", "layers")
 
 
 @dataclass
@@ -233,9 +232,10 @@ def require_gpu(device: str) -> None:
 def layer_policy_count(engine: Engine, budget_bytes: int) -> int:
     """llama.cpp's -ngl: how many whole layers (attention with its KV cache and all FFN weights, float32) fit the
     budget, the output layer's weights reserved first only when every layer fits."""
+    from placement.budget import dense_parts
     c, L0 = engine.config, engine.layers[0]
-    kv = 2 * c.max_seq_len * c.n_kv_heads * c.head_dim * 4
-    per_layer = L0.attn_norm.nbytes + L0.wqkv.nbytes + L0.wo.nbytes + L0.ffn_norm.nbytes + L0.w3.nbytes + kv
+    attention = dense_parts(c, "float32", c.max_seq_len, [])[0][1]  # attention.0: weights, norm and KV cache
+    per_layer = attention + L0.ffn_norm.nbytes + L0.w3.nbytes
     n = min(c.n_layers, budget_bytes // per_layer)
     if n == c.n_layers and n * per_layer + engine.lm_head.nbytes + engine.norm.nbytes > budget_bytes:
         n -= 1

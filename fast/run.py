@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from fast.engine import DEVICES, Engine
+from fast.engine import DEVICES, POLICIES, Engine
 from ref.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
 from ref.errors import UserError
 from ref.generate import Timings, check_prompt, check_sampling
@@ -19,7 +19,7 @@ from ref.tokenizer import load_tokenizer
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid) [default: 90% of the card].")
 @click.option("--placement", type=click.Path(path_type=Path), default=None, help="Placement file [default: solved for the budget].")
-@click.option("--policy", type=click.Choice(["hybrid", "layers"]), default="hybrid", show_default=True,
+@click.option("--policy", type=click.Choice(POLICIES), default="hybrid", show_default=True,
               help="hybrid: PowerInfer's neuron split; layers: llama.cpp-style whole layers on the GPU.")
 @click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors).")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
