@@ -50,16 +50,11 @@ def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
 
 class SyntheticSelect(PredictorSelect):
     """Runs the real-size predictor (its cost is real), then uses an active set drawn from a power-law neuron
-    frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1.
+    frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1."""
 
-    The predictor reads a fixed input for which a share `live` of its hidden units is positive (fc1 rows signed
-    to make it so), since the CPU skips the fc2 rows of units relu zeroes: random weights would give 50%, the
-    shipped model's trained predictors keep 74-99% live; 1.0 is the worst case."""
-
-    def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, chunks: int, live: float = 1.0,
-                 seed: int = 0, pool: int = 32, alpha: float = 1.0):
-        super().__init__(pred, 0.0, cfg.d_ffn, chunks)
-        self.live_units = self.units = 0
+    def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, seed: int = 0, pool: int = 32,
+                 alpha: float = 1.0):
+        super().__init__(pred, 0.0, cfg.d_ffn)
         rng = np.random.default_rng(seed)
         F = cfg.d_ffn
         target = (1 - sparsity) * F
@@ -73,22 +68,11 @@ class SyntheticSelect(PredictorSelect):
         self.sets = [[np.flatnonzero(rng.random(F) < p[perm]).astype(np.int32) for _ in range(pool)]
                      for perm in (rng.permutation(F) for _ in range(cfg.n_layers))]
         self.step = 0
-        self.h = rng.standard_normal(cfg.d_model).astype(F32)
-        for l, fc1 in enumerate(self.fc1):
-            want = np.where(rng.random(len(fc1)) < live, 1, -1)  # the sign each unit's pre-activation gets
-            self.fc1[l] = np.ascontiguousarray(fc1 * (want * np.sign(fc1 @ self.h))[:, None], F32)
 
     def __call__(self, l, h):
-        super().__call__(l, self.h)
-        R = self.fc1[l].shape[0]
-        self.live_units += np.count_nonzero(self.hidden[:R])
-        self.units += R
+        super().__call__(l, h)
         s = self.draw(l)
         return s, len(s)
-
-    def live_fraction(self) -> float:
-        """Share of predictor hidden units relu left nonzero so far: the share of fc2 rows the CPU read."""
-        return self.live_units / self.units if self.units else 1.0
 
     def draw(self, l: int) -> np.ndarray:
         """The next pre-drawn active set of layer l (the engines call this after running the predictor)."""
@@ -108,10 +92,8 @@ def synthetic_predictors(cfg: ModelConfig, R: int, seed: int = 0) -> Predictors:
 
 
 class ReadProbe:
-    """Streaming-read bandwidth of this machine in GB/s over one fixed array (numba prange, 4 rows in flight per
-    worker). `sustained` is the mean rate over passes lasting about as long as a decode run, the roofline's
-    denominator: on a shared machine a single short pass catches bursts that a run does not see. `peak` is the
-    best single pass."""
+    """Streaming-read bandwidth of this machine in GB/s: one pass over a fixed array (numba prange, 4 rows in
+    flight per worker), the roofline's denominator."""
 
     def __init__(self, gib: float = 1.0):
         cols = 1 << 14
@@ -119,25 +101,43 @@ class ReadProbe:
         self.a, self.out = np.ones((rows, cols), F32), np.empty(rows // 4, F32)
         cpu.read_bandwidth_probe(self.out, self.a)  # compile and fault the pages in
 
-    def __call__(self, seconds: float = 1.0) -> dict:
-        passes, peak, t_start = 0, 0.0, time.perf_counter()
-        while passes < 2 or time.perf_counter() - t_start < seconds:
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        cpu.read_bandwidth_probe(self.out, self.a)
+        return self.a.nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def bracketed_decode(engine: Engine, selects: dict, probe: ReadProbe, tokens: int, seed: int = 0) -> dict:
+    """One round: `tokens` decode steps for each active-set source in turn, every token between two probe passes.
+
+    On a shared machine the bandwidth a token gets moves within a second, so each token is compared with the
+    passes just before and after it (`around`), and the sources with each other step by step. Returns per source
+    the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
+    caches = {}
+    for name, select in selects.items():
+        engine.select, caches[name] = select, engine.new_cache(tokens + 1)
+        engine.forward([1], caches[name])
+    out = {name: {"seconds": [], "around": []} for name in selects}
+    probes = [probe()]
+    for i in range(tokens):
+        for name, select in selects.items():
+            engine.select = select
             t0 = time.perf_counter()
-            cpu.read_bandwidth_probe(self.out, self.a)
-            peak = max(peak, self.a.nbytes / (time.perf_counter() - t0) / 1e9)
-            passes += 1
-        return {"sustained": passes * self.a.nbytes / (time.perf_counter() - t_start) / 1e9, "peak": peak}
+            engine.forward([(7 * i + seed) % engine.config.vocab_size], caches[name])
+            out[name]["seconds"].append(time.perf_counter() - t0)
+            probes.append(probe())
+            out[name]["around"].append((probes[-2] + probes[-1]) / 2)
+    return {**out, "probes": probes}
 
 
 def bytes_per_token(engine: Engine, active_neurons: float, select: PredictorSelect | None = None) -> float:
-    """Weight bytes a decode step reads: attention, the active FFN bundles, predictors (fc1, and the fc2 rows of
-    live hidden units), lm_head."""
+    """Weight bytes a decode step reads: attention, the active FFN bundles, predictors, lm_head."""
     c, L0 = engine.config, engine.layers[0]
     attn = (L0.wqkv.size + L0.wo.size) * 4
     ffn = active_neurons * 3 * c.d_model * 4
     pred = 0.0
     if select is not None:
-        pred = sum(a.nbytes for a in select.fc1) + sum(b.nbytes for b in select.fc2t) * select.live_fraction()
+        pred = sum(a.nbytes + b.nbytes for a, b in zip(select.fc1, select.fc2))
     return c.n_layers * (attn + ffn) + pred + engine.lm_head.nbytes
 
 
@@ -158,8 +158,10 @@ def time_decode(engine: Engine, tokens: int, runs: int) -> list[float]:
 
 
 def overhead_per_token(cfg: ModelConfig, threads: int, tokens: int = 32) -> float:
-    """Seconds per decode step of the same depth with near-empty matrices: Python and kernel-dispatch overhead."""
+    """Seconds per sparse decode step (predictors included) of the same depth with near-empty matrices: Python and
+    kernel-dispatch overhead."""
     tiny = ModelConfig(**{**cfg.__dict__, "d_model": 16, "d_ffn": 16, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8,
                           "vocab_size": 16})
     e = random_engine(tiny, threads)
+    e.select = SyntheticSelect(synthetic_predictors(tiny, 16), tiny, 0.5)
     return 1.0 / np.median(time_decode(e, tokens, 5))

@@ -65,17 +65,16 @@ class DenseSelect:
 class PredictorSelect:
     """PowerInfer's predictor: P = {i : fc2 relu(fc1 h) >= θ}, h the residual entering the FFN block."""
 
-    def __init__(self, pred: Predictors, threshold: float, d_ffn: int, chunks: int):
+    def __init__(self, pred: Predictors, threshold: float, d_ffn: int):
         self.fc1 = [np.ascontiguousarray(a, F32) for a in pred.fc1]  # [R, D]
-        self.fc2t = [np.ascontiguousarray(b.T, F32) for b in pred.fc2]  # [R, F]: fast.cpu.predictor's layout
+        self.fc2 = [np.ascontiguousarray(b, F32) for b in pred.fc2]  # [F, R]
         self.threshold = F32(threshold)
         self.logits = np.empty(d_ffn, F32)
         self.hidden = np.empty(max(a.shape[0] for a in self.fc1), F32)
-        self.acc = np.empty((chunks, d_ffn), F32)
         self.active = np.empty(d_ffn, np.int32)
 
     def __call__(self, l: int, h: np.ndarray) -> tuple[np.ndarray, int]:
-        cpu.predictor(self.logits, self.acc, self.hidden[: self.fc1[l].shape[0]], h, self.fc1[l], self.fc2t[l])
+        cpu.predictor(self.logits, self.hidden[: self.fc1[l].shape[0]], h, self.fc1[l], self.fc2[l])
         return self.active, cpu.predicted_set(self.active, self.logits, self.threshold)
 
 
@@ -195,6 +194,6 @@ def set_threads(threads: int | None) -> int:
 def apply_predictors(engine: Engine, predictors, threshold: float | None = None) -> Engine:
     """Predictor-gated sparse FFN (DESIGN section 2), from a file or a loaded `ref.sparse.Predictors`."""
     pred, theta = resolve_predictors(engine.config, predictors, threshold)
-    engine.select = PredictorSelect(pred, theta, engine.config.d_ffn, len(engine.acc))
+    engine.select = PredictorSelect(pred, theta, engine.config.d_ffn)
     engine.predictor_threshold = theta
     return engine

@@ -231,23 +231,10 @@ def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
     gather_axpy(out, a, w3, 2, active, n_active)
 
 
-def rows_axpy(out, acc, a, rows):
-    """Same contract as fast.cpu.rows_axpy; `acc` is unused here."""
-    gather_axpy(out, a, rows.reshape(rows.shape[0], 1, -1), 0, iota(rows.shape[0]), rows.shape[0])
-
-
-def predictor(out, acc, hidden, h, fc1, fc2t):
+def predictor(out, hidden, h, fc1, fc2):
     """Same contract as fast.cpu.predictor."""
     _rows_dot[fc1.shape[0], THREADS](hidden.reshape(1, -1), h.reshape(1, -1), fc1, True)
-    rows_axpy(out, acc, hidden, fc2t)
-
-
-def iota(n: int):
-    """Device [0, 1, ..., n-1] (int32), kept and grown as needed."""
-    buf = _scratch.get("iota")
-    if buf is None or buf.size < n:
-        buf = _scratch["iota"] = cuda.to_device(np.arange(max(n, 1), dtype=np.int32))
-    return buf[:n]
+    matmul(out.reshape(1, -1), hidden.reshape(1, -1), fc2)
 
 
 def predicted_set(active, logits, threshold) -> int:

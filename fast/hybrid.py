@@ -29,7 +29,7 @@ class GpuLayer:
     """What layer l keeps on the GPU; a part left None runs on the CPU."""
 
     attention: tuple | None  # device (attn_norm [D], wq [H E, D], wk [K E, D], wv [K E, D], wo [D, H E])
-    predictor: tuple | None  # device (fc1 [R, D], fc2t [R, F])
+    predictor: tuple | None  # device (fc1 [R, D], fc2 [F, R])
     ffn_norm: object  # device [D]
     w3: object  # device [max(G, 1), 3, D]: the layer's hot neurons in gpu_neurons order
     slot: np.ndarray  # host [F]: neuron id -> row of w3, or -1 when the neuron lives on the CPU
@@ -91,7 +91,7 @@ class HybridEngine(Engine):
             attention = tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
                 L.attn_norm, L.wqkv[: H * E], L.wqkv[H * E:(H + K) * E], L.wqkv[(H + K) * E:], L.wo))
         if self.sparse and f"predictor.{l}" in self.dense_on_gpu:
-            predictor = (cuda.to_device(self.select.fc1[l]), cuda.to_device(self.select.fc2t[l]))
+            predictor = (cuda.to_device(self.select.fc1[l]), cuda.to_device(self.select.fc2[l]))
         slot = np.full(c.d_ffn, -1, np.int32)
         slot[ids] = np.arange(len(ids), dtype=np.int32)
         w3 = np.ascontiguousarray(L.w3[ids]) if len(ids) else np.zeros((1, 3, c.d_model), F32)
@@ -142,11 +142,11 @@ class HybridEngine(Engine):
         if G.predictor is None:
             active, n = self.select(l, h.a[t])
             return active[:n]
-        fc1, fc2t = G.predictor
+        fc1, fc2 = G.predictor
         F = self.config.d_ffn
         logits, hidden = gpu.scratch("pred_logits", F), gpu.scratch("pred_hidden", fc1.shape[0])
         active = gpu.scratch("active", F, np.int32)
-        gpu.predictor(logits, None, hidden, h.a[t], fc1, fc2t)
+        gpu.predictor(logits, hidden, h.a[t], fc1, fc2)
         n = gpu.predicted_set(active, logits, self.select.threshold)
         if hasattr(self.select, "draw"):
             return self.select.draw(l)

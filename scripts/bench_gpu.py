@@ -85,7 +85,7 @@ def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
             plan = plan_budget(cfg, "float32", cfg.max_seq_len, 0)
         min_cpu = [hw.min_cpu_neurons(plan.neuron_bytes, cfg.d_model)] * cfg.n_layers
         placed = solve(counts, plan.neuron_bytes, plan.ffn_budget_bytes, min_cpu, time_limit=10)
-        base.select = SyntheticSelect(pred, cfg, sparsity, len(base.acc))
+        base.select = SyntheticSelect(pred, cfg, sparsity)
         hybrid = to_hybrid(base, placed.gpu_neurons, dense_on_gpu=[n for n, _ in plan.on_gpu])
         t_hybrid = float(np.median(time_decode(hybrid, tokens, runs)))
         row.update(gpu_attention=hybrid.n_gpu_layers, hybrid_tok_s=t_hybrid, speedup=t_hybrid / t_layers,

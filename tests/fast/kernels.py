@@ -62,18 +62,11 @@ def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3):
     return lambda k: (k.sparse_ffn(out, acc, x, w3, active, n_active, KIND_IDS[kind], F32(0.1)), out)[1], want
 
 
-def case_predictor(rng, D, R, F, chunks=3):
+def case_predictor(rng, D, R, F):
     h, fc1, fc2 = randn(rng, D, scale=2), randn(rng, R, D), randn(rng, F, R)
-    out, acc, hidden, fc2t = np.empty(F, F32), np.empty((chunks, F), F32), np.empty(R, F32), np.ascontiguousarray(fc2.T)
-    return (lambda k: (k.predictor(out, acc, hidden, h, fc1, fc2t), out)[1],
+    out, hidden = np.empty(F, F32), np.empty(R, F32)
+    return (lambda k: (k.predictor(out, hidden, h, fc1, fc2), out)[1],
             predictor_logits(h[None].astype(np.float64), fc1.astype(np.float64), fc2.astype(np.float64))[0])
-
-
-def case_rows_axpy(rng, R, N, zeros, chunks=3):
-    a, rows = randn(rng, R), randn(rng, R, N)
-    a[rng.choice(R, zeros, replace=False)] = 0  # skipped rows
-    out, acc = np.empty(N, F32), np.empty((chunks, N), F32)
-    return lambda k: (k.rows_axpy(out, acc, a, rows), out)[1], a.astype(np.float64) @ rows.astype(np.float64)
 
 
 def case_predicted_set(rng, F, threshold):
@@ -85,13 +78,14 @@ def case_predicted_set(rng, F, threshold):
 
 CASES = {
     "rmsnorm": case_rmsnorm, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
-    "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "rows_axpy": case_rows_axpy, "predicted_set": case_predicted_set,
+    "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
 }
 
 # (kernel, shape): tails (sizes off every block), single tokens, GQA and MHA, empty and full active sets.
 SHAPES = [
     ("rmsnorm", dict(T=1, D=7)), ("rmsnorm", dict(T=5, D=100)),
     ("matmul", dict(T=1, N=33, K=17)), ("matmul", dict(T=4, N=100, K=65)), ("matmul", dict(T=3, N=1, K=5)),
+    ("matmul", dict(T=2, N=301, K=9)),  # >= 4 rows per chunk: the four-stream path
     ("rope", dict(T=1, h=3, E=8, pos0=11)), ("rope", dict(T=6, h=2, E=16, pos0=0)),
     ("attention", dict(T=1, S=9, H=4, K=2, E=8)), ("attention", dict(T=5, S=5, H=6, K=3, E=16)),
     ("attention", dict(T=3, S=10, H=4, K=4, E=8)), ("attention", dict(T=1, S=1, H=8, K=1, E=4)),
@@ -100,8 +94,7 @@ SHAPES = [
     ("sparse_ffn", dict(F=64, D=16, n_active=50, kind="drelu")), ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="silu")),
     ("sparse_ffn", dict(F=9, D=5, n_active=2, kind="relu", chunks=7)),
     ("predictor", dict(D=19, R=5, F=77)), ("predictor", dict(D=64, R=16, F=100)),
-    ("predictor", dict(D=8, R=1, F=9, chunks=1)),
-    ("rows_axpy", dict(R=9, N=33, zeros=4)), ("rows_axpy", dict(R=5, N=7, zeros=5)), ("rows_axpy", dict(R=4, N=1, zeros=0)),
+    ("predictor", dict(D=8, R=1, F=9)), ("predictor", dict(D=9, R=40, F=300)),
     ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=10, threshold=-5.0)),
     ("predicted_set", dict(F=10, threshold=5.0)),
 ]
@@ -126,7 +119,7 @@ SIM_SHAPES = [
     ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")), ("sparse_ffn", dict(F=12, D=19, n_active=12, kind="relu")),
     ("sparse_ffn", dict(F=30, D=9, n_active=7, kind="fatrelu")), ("sparse_ffn", dict(F=16, D=9, n_active=5, kind="drelu")),
     ("sparse_ffn", dict(F=6, D=9, n_active=6, kind="silu")),
-    ("predictor", dict(D=19, R=5, F=11)), ("rows_axpy", dict(R=6, N=19, zeros=2)), ("rows_axpy", dict(R=3, N=5, zeros=3)),
+    ("predictor", dict(D=19, R=5, F=11)), ("predictor", dict(D=5, R=12, F=7)),
     ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=5, threshold=-5.0)),
     ("predicted_set", dict(F=10, threshold=5.0)),
 ]
