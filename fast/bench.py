@@ -4,6 +4,7 @@ Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V v
 """
 
 import time
+
 import numpy as np
 
 from fast import cpu

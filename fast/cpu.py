@@ -192,11 +192,12 @@ def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
             acc[c, d] = 0.0
         for j in range(lo, lo + q):
             i0, i1, i2, i3 = active[j], active[j + q], active[j + 2 * q], active[j + 3 * q]
-            for k in range(4 if j + 1 < lo + q else 0):  # a lane's next bundle, unless it is the adjacent one
-                nxt = active[j + 1 + k * q]
-                if nxt != active[j + k * q] + 1:
-                    for part in range(3):
-                        prefetch(w3, (nxt * 3 + part) * D)
+            if j + 1 < lo + q:  # each lane's next bundle, unless it is the adjacent one
+                for k in range(4):
+                    nxt = active[j + 1 + k * q]
+                    if nxt != active[j + k * q] + 1:
+                        for part in range(3):
+                            prefetch(w3, (nxt * 3 + part) * D)
             g0 = g1 = g2 = g3 = np.float32(0.0)
             for d in range(D):
                 xd = x[d]

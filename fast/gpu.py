@@ -134,17 +134,17 @@ def _ffn_gate_up(a, x, w3, active, kind, thr):
 
 
 @cuda.jit
-def _rows_axpy(part, a, rows, slot, idx, n):
-    """Block (x, c): part[c, d] = sum over chunk c of j < n of a[j] rows[idx[j], slot, d], rows with a[j] == 0 not read
-    (the branch is uniform over the block); consecutive threads read consecutive d of a row. Chunks give the GPU
-    enough blocks to keep its memory busy."""
+def _ffn_down(part, a, w3, active, n_active):
+    """Block (x, c): part[c, d] = sum over chunk c of j < n_active of a[j] down_j[d], down rows with a[j] == 0 not
+    read (the branch is uniform over the block); consecutive threads read consecutive d of a row. Chunks give
+    the GPU enough blocks to keep its memory busy."""
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     c, C = cuda.blockIdx.y, cuda.gridDim.y
     if d < part.shape[1]:
         s = float32(0.0)
-        for j in range(c * n // C, (c + 1) * n // C):
+        for j in range(c * n_active // C, (c + 1) * n_active // C):
             if a[j] != 0:
-                s += a[j] * rows[idx[j], slot, d]
+                s += a[j] * w3[active[j], 2, d]
         part[c, d] = s
 
 
@@ -214,21 +214,15 @@ def attention(out, q, k, v, pos0, scores):
     _attention[q.shape[0] * q.shape[1], THREADS](out, q, k, v, pos0, scores)
 
 
-def gather_axpy(out, a, rows, slot, idx, n):
-    """out = sum_{j < n} a[j] rows[idx[j], slot]: chunked partial sums, then their sum in a fixed order.
-    rows: [N, k, D] (w3 with slot 2 = down; a plain [N, D] matrix as [N, 1, D])."""
-    D, C = out.shape[0], max(1, min(CHUNKS, n))
-    part = scratch("axpy_part", (C, D))
-    _rows_axpy[((D + TILE - 1) // TILE, C), TILE](part, a, rows, slot, idx, n)
-    _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
-
-
 def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
-    """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch)."""
-    a = scratch("ffn_a", max(n_active, 1))
+    """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch).
+    The down pass writes per-chunk partial sums, then adds them in a fixed order."""
+    D, C = out.shape[0], max(1, min(CHUNKS, n_active))
+    a, part = scratch("ffn_a", max(n_active, 1)), scratch("ffn_part", (C, D))
     if n_active:
         _ffn_gate_up[n_active, THREADS](a, x, w3, active, kind, np.float32(thr))
-    gather_axpy(out, a, w3, 2, active, n_active)
+    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, w3, active, n_active)
+    _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 
 
 def predictor(out, hidden, h, fc1, fc2):

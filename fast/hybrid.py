@@ -242,9 +242,11 @@ def layer_policy_count(engine: Engine, budget_bytes: int) -> int:
     return int(max(n, 0))
 
 
-def dense_names(n_layers: int) -> list[str]:
-    """Names of the dense parts a placement may put on the GPU (placement.budget.dense_parts)."""
-    return [f"{part}.{l}" for part in ("attention", "predictor") for l in range(n_layers)] + ["ffn_norms", "output"]
+def dense_names(n_layers: int, output: bool = True) -> list[str]:
+    """Names of the dense parts a placement may put on the GPU (placement.budget.dense_parts): those of the first
+    `n_layers` layers, and with `output` the FFN norms and the output layer."""
+    return ([f"{part}.{l}" for part in ("attention", "predictor") for l in range(n_layers)]
+            + (["ffn_norms", "output"] if output else []))
 
 
 def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray] | None = None, policy: str = "hybrid",
@@ -256,8 +258,7 @@ def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray] | None = None, polic
     if policy == "layers":
         n = layer_policy_count(engine, budget_bytes or 0)
         neurons = [np.arange(c.d_ffn if l < n else 0, dtype=np.int32) for l in range(c.n_layers)]
-        dense = [f"{part}.{l}" for part in ("attention", "predictor") for l in range(n)]
-        return HybridEngine(engine, neurons, dense + (["ffn_norms", "output"] if n == c.n_layers else []))
+        return HybridEngine(engine, neurons, set(dense_names(n, output=n == c.n_layers)))
     if policy != "hybrid":
         raise UserError(f"--policy must be one of {', '.join(POLICIES)}, got '{policy}'")
     if gpu_neurons is None or len(gpu_neurons) != c.n_layers:

@@ -46,8 +46,8 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
               "sparse": bytes_per_token(engine, selects["sparse"].mean_active(), selects["sparse"])}
     seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in selects}  # every token
     around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in selects}  # its probe passes, GB/s
-    results = {name: {"tok_s": float(np.median([tokens / sum(r[name]["seconds"]) for r in rounds])),
-                      "runs": [tokens / sum(r[name]["seconds"]) for r in rounds], "bytes_per_token": nbytes[name],
+    tok_s = {name: [tokens / sum(r[name]["seconds"]) for r in rounds] for name in selects}  # per round
+    results = {name: {"tok_s": float(np.median(tok_s[name])), "runs": tok_s[name], "bytes_per_token": nbytes[name],
                       "roofline": float(np.median(nbytes[name] / seconds[name] / (around[name] * 1e9)))}
                for name in selects}
     probes = np.concatenate([r["probes"] for r in rounds])
@@ -55,8 +55,8 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
     out = {"shape": shape, "layers": cfg.n_layers, "threads": engine.threads, "sparsity": sparsity,
            "predictor_hidden": R, "mean_active": selects["sparse"].mean_active(),
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
-           "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tokens / sum(r[name]["seconds"]) for name in selects}}
-                      for r in rounds],
+           "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in selects}}
+                      for i, r in enumerate(rounds)],
            "ratio_sparse_dense": float(np.median(seconds["dense"] / seconds["sparse"])),
            "overhead_ms_per_token": overhead * 1e3, "overhead_share_sparse": overhead * results["sparse"]["tok_s"]}
     size_gib = nbytes["dense"] / 2**30

@@ -125,4 +125,3 @@ def test_bench_gpu_smoke(tmp_path):
     assert r.exit_code == 0, r.output
     row = json.loads((tmp_path / "b.json").read_text())["decode"][0]
     assert row["gpu_layers"] == 2 and row["hybrid_tok_s"] > 0 and "hybrid / layers" in r.output
-
