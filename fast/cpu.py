@@ -231,6 +231,41 @@ def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
 
 
 @njit(cache=True)
+def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):
+    """out = wo . attention(rope(q), rope(k), v), [q; k; v] = wqkv . rmsnorm(h); this step's keys and values are
+    written to the caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D]; wo: [D, H E];
+    k_cache, v_cache: [capacity, K, E].
+
+    One compiled call per layer instead of six calls from Python and the numpy glue between them: once a token's
+    weights have streamed through the caches, every Python-side step runs from memory (an empty parallel kernel
+    called from Python: 2 us warm, 17 us after a read pass). Measured with ffn_block: Python overhead 0.38 to
+    0.28 ms per TinyLlama token, sparse tokens 0.5 to 1 % faster."""
+    T = h.shape[0]
+    K, E = k_cache.shape[1], k_cache.shape[2]
+    H = wo.shape[1] // E
+    x = np.empty_like(h)
+    rmsnorm(x, h, attn_norm, eps)
+    qkv = np.empty((T, (H + 2 * K) * E), np.float32)
+    matmul(qkv, x, wqkv)
+    q = np.ascontiguousarray(qkv[:, : H * E]).reshape((T, H, E))  # [T, H, E]
+    k = np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape((T, K, E))  # [T, K, E]
+    rope(q, q, cos, sin, pos0)
+    rope(k_cache[pos0:pos0 + T], k, cos, sin, pos0)
+    v_cache[pos0:pos0 + T] = np.ascontiguousarray(qkv[:, (H + K) * E:]).reshape((T, K, E))
+    att = np.empty((T, H, E), np.float32)
+    attention(att, q, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, np.empty((T * H, pos0 + T), np.float32))
+    matmul(out, att.reshape((T, H * E)), wo)
+
+
+@njit(cache=True)
+def ffn_block(out, acc, h, ffn_norm, w3, active, n_active, kind, thr, eps):
+    """out = sparse_ffn(rmsnorm(h)) for one token over the given active set, as one compiled call.  out, h: [D]."""
+    x = np.empty_like(h)
+    rmsnorm(x.reshape((1, x.size)), h.reshape((1, h.size)), ffn_norm, eps)
+    sparse_ffn(out, acc, x, w3, active, n_active, kind, thr)
+
+
+@njit(cache=True)
 def relu_(x):
     for i in range(x.size):
         x.flat[i] = max(x.flat[i], 0.0)

@@ -123,32 +123,17 @@ class Engine:
 
     def attention_block(self, l: int, h: np.ndarray, cache: KVCache) -> np.ndarray:
         """Pre-norm self-attention with RoPE; appends this step's keys and values to the cache.  h: [T, D]."""
-        c, L = self.config, self.layers[l]
-        T, s0, H, K, E = h.shape[0], cache.length, c.n_heads, c.n_kv_heads, c.head_dim
-        x = np.empty_like(h)
-        cpu.rmsnorm(x, h, L.attn_norm, c.rms_norm_eps)
-        qkv = np.empty((T, (H + 2 * K) * E), F32)
-        cpu.matmul(qkv, x, L.wqkv)
-        q = np.ascontiguousarray(qkv[:, : H * E]).reshape(T, H, E)
-        k = np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape(T, K, E)
-        cpu.rope(q, q, self.cos, self.sin, s0)
-        cpu.rope(cache.k[l, s0:s0 + T], k, self.cos, self.sin, s0)
-        cache.v[l, s0:s0 + T] = qkv[:, (H + K) * E:].reshape(T, K, E)
-        att = np.empty((T, H, E), F32)
-        cpu.attention(att, q, cache.k[l, :s0 + T], cache.v[l, :s0 + T], s0, np.empty((T * H, s0 + T), F32))
-        out = np.empty_like(h)
-        cpu.matmul(out, att.reshape(T, H * E), L.wo)
+        L, out = self.layers[l], np.empty_like(h)
+        cpu.attention_block(out, h, L.attn_norm, L.wqkv, L.wo, cache.k[l], cache.v[l], self.cos, self.sin, cache.length,
+                            self.config.rms_norm_eps)
         return out
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
         """y = sum over the active set of a_i Wd[:, i], the set chosen per token by `self.select`.  h: [T, D]."""
-        L = self.layers[l]
-        x = np.empty_like(h)
-        cpu.rmsnorm(x, h, L.ffn_norm, self.config.rms_norm_eps)
-        y = np.empty_like(h)
+        L, y = self.layers[l], np.empty_like(h)
         for t in range(h.shape[0]):
             active, n = self.select(l, h[t])
-            cpu.sparse_ffn(y[t], self.acc, x[t], L.w3, active, n, self.kind, self.thr)
+            cpu.ffn_block(y[t], self.acc, h[t], L.ffn_norm, L.w3, active, n, self.kind, self.thr, self.config.rms_norm_eps)
         return y
 
     def forward(self, ids, cache: KVCache) -> np.ndarray:

@@ -51,13 +51,18 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
                       "roofline": float(np.median(nbytes[name] / seconds[name] / (around[name] * 1e9)))}
                for name in selects}
     probes = np.concatenate([r["probes"] for r in rounds])
+    steps = seconds["dense"] / seconds["sparse"]  # step-by-step token-time ratios
+    by_bus = np.argsort((around["dense"] + around["sparse"]) / 2)  # steps by the speed of their probe passes
+    halves = {"slower": by_bus[: len(steps) // 2], "faster": by_bus[len(steps) // 2:]} if len(steps) > 1 else {
+        "slower": by_bus, "faster": by_bus}
     overhead = overhead_per_token(cfg, engine.threads)
     out = {"shape": shape, "layers": cfg.n_layers, "threads": engine.threads, "sparsity": sparsity,
            "predictor_hidden": R, "mean_active": selects["sparse"].mean_active(),
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
            "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in selects}}
                       for i, r in enumerate(rounds)],
-           "ratio_sparse_dense": float(np.median(seconds["dense"] / seconds["sparse"])),
+           "ratio_sparse_dense": float(np.median(steps)),
+           "ratio_by_bus": {half: float(np.median(steps[pick])) for half, pick in halves.items()},
            "overhead_ms_per_token": overhead * 1e3, "overhead_share_sparse": overhead * results["sparse"]["tok_s"]}
     size_gib = nbytes["dense"] / 2**30
     click.echo(f"read bandwidth: {out['read_bandwidth_gbs']:.1f} GB/s (median of {len(probes)} probe passes of "
@@ -70,7 +75,9 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
         click.echo(f"| {shape} x{cfg.n_layers} F32 | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | numba-cpu {name} | "
                    f"{engine.threads} | tg{tokens} | {t.mean():.2f} ± {t.std():.2f} | {r['tok_s'] * r['bytes_per_token'] / 1e9:.1f} | "
                    f"{r['roofline']:.0%} |")
-    click.echo(f"sparse/dense: {out['ratio_sparse_dense']:.2f}x (median of step-by-step token-time ratios) at {sparsity:.0%} predicted "
+    click.echo(f"sparse/dense: {out['ratio_sparse_dense']:.2f}x (median of step-by-step token-time ratios; "
+               f"{out['ratio_by_bus']['faster']:.2f}x on the steps with the faster half of probe passes, "
+               f"{out['ratio_by_bus']['slower']:.2f}x on the slower half) at {sparsity:.0%} predicted "
                f"sparsity (mean {out['mean_active']:.0f} of {cfg.d_ffn} neurons; predictors R={R}); "
                f"Python+dispatch overhead {overhead * 1e3:.2f} ms/token = {out['overhead_share_sparse']:.1%} of a sparse token")
     if json_file:

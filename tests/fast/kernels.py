@@ -30,13 +30,17 @@ def case_matmul(rng, T, N, K):
     return lambda k: (k.matmul(out, x, w), out)[1], x.astype(np.float64) @ w.T.astype(np.float64)
 
 
-def case_rope(rng, T, h, E, pos0):
+def rope_tables_for(E, theta=500.0):
+    """fast.engine's cos, sin tables [P, E/2] for head dim E."""
     from fast.engine import rope_tables
     from ref.config import ModelConfig
     from tests.helpers import SMALL_CONFIG
-    cfg = ModelConfig.from_dict({**SMALL_CONFIG, "hidden_size": h * E, "num_attention_heads": h, "num_key_value_heads": h,
-                                 "rope_theta": 500.0})
-    cos, sin = rope_tables(cfg)
+    return rope_tables(ModelConfig.from_dict({**SMALL_CONFIG, "hidden_size": 2 * E, "num_attention_heads": 2,
+                                              "num_key_value_heads": 2, "rope_theta": theta}))
+
+
+def case_rope(rng, T, h, E, pos0):
+    cos, sin = rope_tables_for(E)
     x = randn(rng, T, h, E)
     out = np.empty_like(x)
     return lambda k: (k.rope(out, x, cos, sin, pos0), out)[1], ref_rope(x.astype(np.float64), np.arange(pos0, pos0 + T), 500.0)
@@ -50,6 +54,23 @@ def case_attention(rng, T, S, H, K, E):
             ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos0))
 
 
+def case_attention_block(rng, T, S, H, K, E, D):
+    """The fast block against ref's rmsnorm, projections, rope and attention; positions before S - T are cached."""
+    h, w, wqkv, wo = randn(rng, T, D), randn(rng, D), randn(rng, (H + 2 * K) * E, D), randn(rng, D, H * E)
+    kc, vc = randn(rng, S + 2, K, E), randn(rng, S + 2, K, E)  # capacity S + 2: the rows after S stay unread
+    pos0 = S - T
+    cos, sin = rope_tables_for(E)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    qkv = ref_rmsnorm(f64(h), f64(w), 1e-5) @ f64(wqkv).T  # [T, (H + 2K) E]
+    q, k, v = np.split(qkv, [H * E, (H + K) * E], axis=1)
+    pos = np.arange(pos0, S)
+    q, k = ref_rope(q.reshape(T, H, E), pos, 500.0), ref_rope(k.reshape(T, K, E), pos, 500.0)
+    keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
+    want = ref_attention(q, keys, values, pos0).reshape(T, H * E) @ f64(wo).T  # [T, D]
+    out = np.empty((T, D), F32)
+    return lambda k: (k.attention_block(out, h, w, wqkv, wo, kc.copy(), vc.copy(), cos, sin, pos0, 1e-5), out)[1], want
+
+
 KIND_IDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
 
 
@@ -60,6 +81,16 @@ def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3):
     want = ref_sparse_ffn(x.astype(np.float64), w3[:, 0], w3[:, 1], np.ascontiguousarray(w3[:, 2].T), active, kind, 0.1,
                           np.float64)
     return lambda k: (k.sparse_ffn(out, acc, x, w3, active, n_active, KIND_IDS[kind], F32(0.1)), out)[1], want
+
+
+def case_ffn_block(rng, F, D, n_active, kind, chunks=3):
+    h, w, w3 = randn(rng, D, scale=3), randn(rng, D), randn(rng, F, 3, D, scale=0.5)
+    active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
+    out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
+    x = ref_rmsnorm(h[None].astype(np.float64), w.astype(np.float64), 1e-5)[0]
+    want = ref_sparse_ffn(x, w3[:, 0], w3[:, 1], np.ascontiguousarray(w3[:, 2].T), active, kind, 0.1, np.float64)
+    return (lambda k: (k.ffn_block(out, acc, h, w, w3, active, n_active, KIND_IDS[kind], F32(0.1), 1e-5), out)[1],
+            want)
 
 
 def case_predictor(rng, D, R, F):
@@ -79,6 +110,7 @@ def case_predicted_set(rng, F, threshold):
 CASES = {
     "rmsnorm": case_rmsnorm, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
+    "attention_block": case_attention_block, "ffn_block": case_ffn_block,
 }
 
 # (kernel, shape): tails (sizes off every block), single tokens, GQA and MHA, empty and full active sets.
@@ -97,6 +129,10 @@ SHAPES = [
     ("predictor", dict(D=8, R=1, F=9)), ("predictor", dict(D=9, R=40, F=300)),
     ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=10, threshold=-5.0)),
     ("predicted_set", dict(F=10, threshold=5.0)),
+    ("attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19)), ("attention_block", dict(T=4, S=4, H=2, K=2, E=4, D=7)),
+    ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33)),
+    ("ffn_block", dict(F=50, D=19, n_active=13, kind="relu")), ("ffn_block", dict(F=20, D=8, n_active=20, kind="silu")),
+    ("ffn_block", dict(F=9, D=5, n_active=0, kind="relu")),
 ]
 
 

@@ -16,6 +16,7 @@ def test_bench_table_and_json(tmp_path):
     assert r.exit_code == 0, r.output
     out = json.loads((tmp_path / "b.json").read_text())
     assert len(out["rounds"]) == 2 and out["ratio_sparse_dense"] > 0 and out["read_bandwidth_gbs"] > 0
+    assert set(out["ratio_by_bus"]) == {"faster", "slower"} and min(out["ratio_by_bus"].values()) > 0
     assert out["sparse"]["bytes_per_token"] < out["dense"]["bytes_per_token"]
     assert "| numba-cpu dense | 1 | tg2 |" in r.output and "sparse/dense:" in r.output
 
