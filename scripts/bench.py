@@ -53,8 +53,7 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
     probes = np.concatenate([r["probes"] for r in rounds])
     steps = seconds["dense"] / seconds["sparse"]  # step-by-step token-time ratios
     by_bus = np.argsort((around["dense"] + around["sparse"]) / 2)  # steps by the speed of their probe passes
-    halves = {"slower": by_bus[: len(steps) // 2], "faster": by_bus[len(steps) // 2:]} if len(steps) > 1 else {
-        "slower": by_bus, "faster": by_bus}
+    halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both it
     overhead = overhead_per_token(cfg, engine.threads)
     out = {"shape": shape, "layers": cfg.n_layers, "threads": engine.threads, "sparsity": sparsity,
            "predictor_hidden": R, "mean_active": selects["sparse"].mean_active(),
