@@ -8,26 +8,12 @@ import time
 import numpy as np
 
 from fast import cpu
-from fast.engine import Engine, Layer, PredictorSelect
-from ref.config import ModelConfig
-from ref.sparse import Predictors
+from fast.engine import Engine, Layer, Selector
+from ref.common.artifacts import Predictors
+from ref.common.batch import Batch
+from ref.common.config import ModelConfig
 
 F32 = np.float32
-SHAPES = {
-    # name: (D, F, layers, heads, kv heads, vocab)
-    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000),
-    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
-    "tiny": (256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
-    "micro": (16, 24, 2, 2, 1, 32),  # smoke runs under the CUDA simulator
-}
-
-
-def shape_config(name: str, layers: int | None = None) -> ModelConfig:
-    D, F, L, H, K, V = SHAPES[name]
-    return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_act": "relu", "hidden_size": D, "intermediate_size": F,
-        "num_hidden_layers": layers or L, "num_attention_heads": H, "num_key_value_heads": K, "vocab_size": V,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"})
 
 
 def random_engine(cfg: ModelConfig, threads: int, seed: int = 0) -> Engine:
@@ -49,13 +35,13 @@ def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
     return max([16] + [r for r in (32, 64, 128, 256, 512, 1024) if r * (cfg.d_model + cfg.d_ffn) <= per_layer])
 
 
-class SyntheticSelect(PredictorSelect):
-    """Runs the real-size predictor (its cost is real), then uses an active set drawn from a power-law neuron
-    frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1."""
+class SyntheticSelector(Selector):
+    """The engines run its real-size predictor (their cost is real); its pick is an active set drawn from a power-law
+    neuron frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1."""
 
     def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, seed: int = 0, pool: int = 32,
                  alpha: float = 1.0):
-        super().__init__(pred, 0.0, cfg.d_ffn)
+        super().__init__(cfg.d_ffn, pred, 0.0)
         rng = np.random.default_rng(seed)
         F = cfg.d_ffn
         target = (1 - sparsity) * F
@@ -70,13 +56,8 @@ class SyntheticSelect(PredictorSelect):
                      for perm in (rng.permutation(F) for _ in range(cfg.n_layers))]
         self.step = 0
 
-    def __call__(self, l, h):
-        super().__call__(l, h)
-        s = self.draw(l)
-        return s, len(s)
-
-    def draw(self, l: int) -> np.ndarray:
-        """The next pre-drawn active set of layer l (the engines call this after running the predictor)."""
+    def pick(self, l: int, logits: np.ndarray) -> np.ndarray:
+        """The next pre-drawn active set of layer l, whatever the predictor said."""
         s = self.sets[l][self.step % len(self.sets[l])]
         if l == len(self.sets) - 1:
             self.step += 1
@@ -108,47 +89,45 @@ class ReadProbe:
         return self.a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def bracketed_decode(engine: Engine, selects: dict, probe: ReadProbe, tokens: int, seed: int = 0) -> dict:
-    """One round: `tokens` decode steps for each active-set source in turn, every token between two probe passes.
+def bracketed_decode(engine: Engine, selectors: dict, probe: ReadProbe, tokens: int, seed: int = 0) -> dict:
+    """One round: `tokens` decode steps for each selector in turn, every token between two probe passes.
 
     On a shared machine the bandwidth a token gets moves within a second, so each token is compared with the
-    passes just before and after it (`around`), and the sources with each other step by step. Returns per source
-    the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
+    passes just before and after it (`around`), and the selectors with each other step by step. Returns per
+    selector the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
     caches = {}
-    for name, select in selects.items():
-        engine.select, caches[name] = select, engine.new_cache(tokens + 1)
-        engine.forward([1], caches[name])
-    out = {name: {"seconds": [], "around": []} for name in selects}
+    for name, selector in selectors.items():
+        engine.selector, caches[name] = selector, engine.new_cache(tokens + 1)
+        engine.forward(Batch.single([1], caches[name]), caches[name])
+    out = {name: {"seconds": [], "around": []} for name in selectors}
     probes = [probe()]
     for i in range(tokens):
-        for name, select in selects.items():
-            engine.select = select
+        for name, selector in selectors.items():
+            engine.selector, cache = selector, caches[name]
             t0 = time.perf_counter()
-            engine.forward([(7 * i + seed) % engine.config.vocab_size], caches[name])
+            engine.forward(Batch.single([(7 * i + seed) % engine.config.vocab_size], cache), cache)
             out[name]["seconds"].append(time.perf_counter() - t0)
             probes.append(probe())
             out[name]["around"].append((probes[-2] + probes[-1]) / 2)
     return {**out, "probes": probes}
 
 
-def bytes_per_token(engine: Engine, active_neurons: float, select: PredictorSelect | None = None) -> float:
+def bytes_per_token(engine: Engine, active_neurons: float, selector: Selector) -> float:
     """Weight bytes a decode step reads: attention, the active FFN bundles, predictors, lm_head."""
     c, L0 = engine.config, engine.layers[0]
-    attn = (L0.wqkv.size + L0.wo.size) * 4
-    ffn = active_neurons * 3 * c.d_model * 4
-    pred = 0.0
-    if select is not None:
-        pred = sum(a.nbytes + b.nbytes for a, b in zip(select.fc1, select.fc2))
+    attn = L0.wqkv.nbytes + L0.wo.nbytes
+    ffn = active_neurons * L0.bundle.nbytes / c.d_ffn
+    pred = sum(a.nbytes + b.nbytes for a, b in zip(selector.fc1, selector.fc2)) if selector.predicts else 0
     return c.n_layers * (attn + ffn) + pred + engine.lm_head.nbytes
 
 
 def decode_tok_s(engine: Engine, tokens: int, seed: int = 0) -> float:
     """Decode tok/s of one run: `tokens` one-token steps after a one-token prompt."""
     cache = engine.new_cache(tokens + 1)
-    engine.forward([1], cache)
+    engine.forward(Batch.single([1], cache), cache)
     t0 = time.perf_counter()
     for i in range(tokens):
-        engine.forward([(7 * i + seed) % engine.config.vocab_size], cache)
+        engine.forward(Batch.single([(7 * i + seed) % engine.config.vocab_size], cache), cache)
     return tokens / (time.perf_counter() - t0)
 
 
@@ -164,5 +143,5 @@ def overhead_per_token(cfg: ModelConfig, threads: int, tokens: int = 32) -> floa
     tiny = ModelConfig(**{**cfg.__dict__, "d_model": 16, "d_ffn": 16, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8,
                           "vocab_size": 16})
     e = random_engine(tiny, threads)
-    e.select = SyntheticSelect(synthetic_predictors(tiny, 16), tiny, 0.5)
+    e.selector = SyntheticSelector(synthetic_predictors(tiny, 16), tiny, 0.5)
     return 1.0 / np.median(time_decode(e, tokens, 5))

@@ -174,11 +174,11 @@ def sum_chunks(out, acc):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
-    """out = sum_{j < n_active} a_i w3[i, 2], i = active[j], a_i = a(w3[i, 0].x, w3[i, 1].x): PowerInfer's
+def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
+    """out = sum_{j < n_active} a_i bundle[i, 2], i = active[j], a_i = a(bundle[i, 0].x, bundle[i, 1].x): PowerInfer's
     neuron-aware operator, gate/up rows and the down column of a neuron read as one contiguous bundle.
 
-    out: [D]; acc: [C, D] per-chunk private accumulators; x: [D]; w3: [F, 3, D] (gate, up, down^T); active: [>= n_active].
+    out: [D]; acc: [C, D] per-chunk private accumulators; x: [D]; bundle: [F, 3, D] (gate, up, down^T); active: [>= n_active].
     Four neurons stream at once, one from each quarter of the chunk (STREAMS), in three passes (gate rows, up rows,
     down rows) so that each stream reads its bundles front to back: +3 % over all neurons and +6 % over a 10 % set
     against gate and up in one pass. A lane whose next neuron is not adjacent prefetches the first line of its
@@ -197,36 +197,36 @@ def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
                     nxt = active[j + 1 + k * q]
                     if nxt != active[j + k * q] + 1:
                         for part in range(3):
-                            prefetch(w3, (nxt * 3 + part) * D)
+                            prefetch(bundle, (nxt * 3 + part) * D)
             g0 = g1 = g2 = g3 = np.float32(0.0)
             for d in range(D):
                 xd = x[d]
-                g0 += w3[i0, 0, d] * xd
-                g1 += w3[i1, 0, d] * xd
-                g2 += w3[i2, 0, d] * xd
-                g3 += w3[i3, 0, d] * xd
+                g0 += bundle[i0, 0, d] * xd
+                g1 += bundle[i1, 0, d] * xd
+                g2 += bundle[i2, 0, d] * xd
+                g3 += bundle[i3, 0, d] * xd
             u0 = u1 = u2 = u3 = np.float32(0.0)
             for d in range(D):
                 xd = x[d]
-                u0 += w3[i0, 1, d] * xd
-                u1 += w3[i1, 1, d] * xd
-                u2 += w3[i2, 1, d] * xd
-                u3 += w3[i3, 1, d] * xd
+                u0 += bundle[i0, 1, d] * xd
+                u1 += bundle[i1, 1, d] * xd
+                u2 += bundle[i2, 1, d] * xd
+                u3 += bundle[i3, 1, d] * xd
             a0 = np.float32(activation(kind, g0, u0, thr))
             a1 = np.float32(activation(kind, g1, u1, thr))
             a2 = np.float32(activation(kind, g2, u2, thr))
             a3 = np.float32(activation(kind, g3, u3, thr))
             for d in range(D):
-                acc[c, d] += a0 * w3[i0, 2, d] + a1 * w3[i1, 2, d] + a2 * w3[i2, 2, d] + a3 * w3[i3, 2, d]
+                acc[c, d] += a0 * bundle[i0, 2, d] + a1 * bundle[i1, 2, d] + a2 * bundle[i2, 2, d] + a3 * bundle[i3, 2, d]
         for j in range(lo + 4 * q, hi):
             i = active[j]
             g = u = np.float32(0.0)
             for d in range(D):
-                g += w3[i, 0, d] * x[d]
-                u += w3[i, 1, d] * x[d]
+                g += bundle[i, 0, d] * x[d]
+                u += bundle[i, 1, d] * x[d]
             a = np.float32(activation(kind, g, u, thr))
             for d in range(D):
-                acc[c, d] += a * w3[i, 2, d]
+                acc[c, d] += a * bundle[i, 2, d]
     sum_chunks(out, acc)
 
 
@@ -258,11 +258,11 @@ def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos
 
 
 @njit(cache=True)
-def ffn_block(out, acc, h, ffn_norm, w3, active, n_active, kind, thr, eps):
+def ffn_block(out, acc, h, ffn_norm, bundle, active, n_active, kind, thr, eps):
     """out = sparse_ffn(rmsnorm(h)) for one token over the given active set, as one compiled call.  out, h: [D]."""
     x = np.empty_like(h)
     rmsnorm(x.reshape((1, x.size)), h.reshape((1, h.size)), ffn_norm, eps)
-    sparse_ffn(out, acc, x, w3, active, n_active, kind, thr)
+    sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr)
 
 
 @njit(cache=True)

@@ -1,7 +1,8 @@
 """The fast engine: ref's model, laid out once for the numba kernels of `fast.cpu`.
 
-Features are transforms: `apply_predictors` swaps the dense active-set source for PowerInfer's predictor;
-the block code below does not know which one runs.
+`Engine.load` only loads. Features are transforms applied to a loaded engine: `apply_predictors` gives it a
+predicting `Selector`, `fast.hybrid.to_hybrid` puts a placement's share on the GPU; the block code asks the
+selector which neurons to compute and does not know which one it has.
 
 Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
 V vocab, R predictor hidden size, C accumulator chunks.
@@ -9,41 +10,50 @@ V vocab, R predictor hidden size, C accumulator chunks.
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numba
 import numpy as np
 
 from fast import cpu
-from ref.config import ModelConfig
-from ref.errors import UserError
-from ref.generate import generate
-from ref.model import KVCache, check_ids, rope_angles, step_ids
-from ref.sparse import Predictors, resolve_predictors
-from ref.weights import Weights, upcast
+from ref import sparse
+from ref.common.artifacts import Predictors
+from ref.common.batch import Batch, KVCache, check_batch
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS, Format
+from ref.common.safetensors import upcast
+from ref.common.sampling import check_fits, generate
+from ref.common.weights import Weights
+from ref.model import rope_angles
 
-DEVICES = ("cpu", "gpu", "hybrid")
-POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style whole layers on the GPU
 F32 = np.float32
 
 
 @dataclass
 class Layer:
-    """One block's weights in kernel layout: float32, contiguous; FFN neuron-major with gate, up, down bundled."""
+    """One block's weights in kernel layout, contiguous; FFN neuron-major with each neuron's rows bundled."""
 
     attn_norm: np.ndarray  # [D]
     wqkv: np.ndarray  # [(H + 2K) E, D]
     wo: np.ndarray  # [D, H E]
     ffn_norm: np.ndarray  # [D]
-    w3: np.ndarray  # [F, 3, D]: row i = (gate_i, up_i, down[:, i])
+    bundle: np.ndarray  # [F, 3, D]: row i = (gate_i, up_i, down[:, i])
 
 
-def layout_layer(w: Weights, l: int) -> Layer:
+def layout_llama(w: Weights, l: int) -> Layer:
+    """A LLaMA block in float32: q, k, v fused; gate row, up row and down column of each neuron in one bundle."""
     p = f"layers.{l}."
-    f32 = lambda name: np.ascontiguousarray(upcast(w[p + name], F32))  # noqa: E731
-    wqkv = np.concatenate([f32("wq"), f32("wk"), f32("wv")])
-    w3 = np.empty((w.config.d_ffn, 3, w.config.d_model), F32)
-    w3[:, 0], w3[:, 1], w3[:, 2] = f32("wg"), f32("wu"), f32("wd").T
-    return Layer(f32("attn_norm"), wqkv, f32("wo"), f32("ffn_norm"), w3)
+
+    def f32(name):
+        return np.ascontiguousarray(upcast(w[p + name], F32))
+
+    bundle = np.empty((w.config.d_ffn, 3, w.config.d_model), F32)
+    bundle[:, 0], bundle[:, 1], bundle[:, 2] = f32("wg"), f32("wu"), f32("wd").T
+    return Layer(f32("attn_norm"), np.concatenate([f32("wq"), f32("wk"), f32("wv")]), f32("wo"), f32("ffn_norm"), bundle)
+
+
+LAYOUTS = {"llama": layout_llama}  # family -> its block's kernel layout
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -52,99 +62,111 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
 
 
-class DenseSelect:
-    """Every neuron is active (dense FFN through the same neuron-aware kernel)."""
+class Selector(sparse.Selector):
+    """ref's active-set seam with the pick as a kernel: predictor weights float32 and contiguous, plus the host
+    scratch an engine runs the predictor into (`logits` [F], `hidden` [max R])."""
 
-    def __init__(self, d_ffn: int):
-        self.all = np.arange(d_ffn, dtype=np.int32)
-
-    def __call__(self, l: int, h: np.ndarray) -> tuple[np.ndarray, int]:
-        return self.all, len(self.all)
-
-
-class PredictorSelect:
-    """PowerInfer's predictor: P = {i : fc2 relu(fc1 h) >= θ}, h the residual entering the FFN block."""
-
-    def __init__(self, pred: Predictors, threshold: float, d_ffn: int):
-        self.fc1 = [np.ascontiguousarray(a, F32) for a in pred.fc1]  # [R, D]
-        self.fc2 = [np.ascontiguousarray(b, F32) for b in pred.fc2]  # [F, R]
+    def __init__(self, d_ffn: int, predictors: Predictors | None = None, threshold: float = 0.0):
+        super().__init__(d_ffn, predictors, threshold)
+        if self.predicts:
+            self.fc1 = [np.ascontiguousarray(a, F32) for a in self.fc1]  # [R, D]
+            self.fc2 = [np.ascontiguousarray(b, F32) for b in self.fc2]  # [F, R]
+            self.hidden = np.empty(max(a.shape[0] for a in self.fc1), F32)
         self.threshold = F32(threshold)
-        self.logits = np.empty(d_ffn, F32)
-        self.hidden = np.empty(max(a.shape[0] for a in self.fc1), F32)
-        self.active = np.empty(d_ffn, np.int32)
+        self.logits, self.active = np.empty(d_ffn, F32), np.empty(d_ffn, np.int32)
 
-    def __call__(self, l: int, h: np.ndarray) -> tuple[np.ndarray, int]:
-        cpu.predictor(self.logits, self.hidden[: self.fc1[l].shape[0]], h, self.fc1[l], self.fc2[l])
-        return self.active, cpu.predicted_set(self.active, self.logits, self.threshold)
+    def pick(self, l: int, logits: np.ndarray | None) -> np.ndarray:
+        return self.all if logits is None else self.active[: cpu.predicted_set(self.active, logits, self.threshold)]
 
 
-class Engine:
-    """Prefill and decode with a preallocated KV cache; `ref.generate`'s contract through `generate`."""
+class Decoder:
+    """ref's contracts on top of an engine's `config`, `new_cache` and `forward(batch, cache)`."""
+
+    compile_seconds = 0.0
+
+    def logits(self, ids) -> np.ndarray:
+        """Float32 logits [T, V] for a whole sequence from a fresh cache."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        check_fits(len(ids), self.config.max_seq_len)
+        cache = self.new_cache(max(len(ids), 1))
+        return self.forward(Batch.single(ids, cache), cache)
+
+    def generate(self, ids, max_new_tokens, **kwargs) -> list[int]:
+        return generate(self, ids, max_new_tokens, **kwargs)
+
+    def warm_up(self) -> None:
+        """Compile (or load the cached) kernels with one token, timed as `compile_seconds`."""
+        t0 = time.perf_counter()
+        self.logits([0])
+        self.compile_seconds = time.perf_counter() - t0
+
+
+class Engine(Decoder):
+    """Prefill and decode on the CPU with a preallocated KV cache."""
 
     def __init__(self, config: ModelConfig, layers: list[Layer], embed: np.ndarray, norm: np.ndarray,
-                 lm_head: np.ndarray, threads: int | None = None):
+                 lm_head: np.ndarray, threads: int | None = None, fmt: Format = FORMATS["f32"]):
         c = self.config = config
-        self.layers, self.embed, self.norm, self.lm_head = layers, embed, norm, lm_head
+        self.layers, self.embed, self.norm, self.lm_head, self.format = layers, embed, norm, lm_head, fmt
         self.threads = set_threads(threads)
         self.cos, self.sin = rope_tables(c)
         self.kind, self.thr = cpu.KINDS[c.ffn_kind], F32(c.act_threshold)
         self.acc = np.empty((2 * self.threads, c.d_model), F32)  # per-chunk private accumulators
-        self.select, self.predictor_threshold = DenseSelect(c.d_ffn), None
-        self.compile_seconds = 0.0
+        self.selector = Selector(c.d_ffn)
 
     @staticmethod
-    def load(path, device: str = "cpu", predictors=None, placement=None, vram_budget=None, threads=None,
-             predictor_threshold: float | None = None, policy: str = "hybrid") -> "Engine":
-        """Lay out an HF checkpoint; with `predictors`, the predictor-gated sparse FFN; on `gpu`/`hybrid`, the
-        placement (a file, or solved for `vram_budget` GiB) applied by fast.hybrid. Compiles (or loads the
-        cached) kernels with one warm-up token, timed as `compile_seconds`."""
-        if device not in DEVICES:
-            raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
+    def load(path: str | Path, threads: int | None = None) -> "Engine":
+        """Lay out an HF checkpoint for the kernels (dense; features are transforms applied to the result)."""
         cfg = ModelConfig.from_hf(path)
+        if cfg.family not in LAYOUTS:
+            raise UserError(f"{path}: the fast engine has no layout for the {cfg.family} family")
         w = Weights.load(path, cfg)
-        f32 = lambda name: np.ascontiguousarray(upcast(w[name], F32))  # noqa: E731
-        engine = Engine(cfg, [layout_layer(w, l) for l in range(cfg.n_layers)], f32("embed"), f32("norm"),
-                        f32("embed" if cfg.tie_word_embeddings else "lm_head"), threads)
-        if predictors is not None:
-            apply_predictors(engine, predictors, predictor_threshold)
-        if device != "cpu":
-            from fast.hybrid import place_engine
-            engine = place_engine(engine, path, device, placement, vram_budget, policy)
-        engine.warm_up()
-        return engine
 
-    def warm_up(self) -> None:
-        t0 = time.perf_counter()
-        self.forward([0], self.new_cache(1))
-        self.compile_seconds = time.perf_counter() - t0
+        def f32(name):
+            return np.ascontiguousarray(upcast(w[name], F32))
 
-    def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32)
+        return Engine(cfg, [LAYOUTS[cfg.family](w, l) for l in range(cfg.n_layers)], f32("embed"), f32("norm"),
+                      f32("embed" if cfg.tie_word_embeddings else "lm_head"), threads)
 
-    def attention_block(self, l: int, h: np.ndarray, cache: KVCache) -> np.ndarray:
+    def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
+        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots)
+
+    def active_set(self, l: int, h: np.ndarray) -> np.ndarray:
+        """Ids of the neurons layer l computes for one token h [D]: the selector's pick from the predictor run here."""
+        sel = self.selector
+        if not sel.predicts:
+            return sel.pick(l, None)
+        cpu.predictor(sel.logits, sel.hidden[: sel.fc1[l].shape[0]], h, sel.fc1[l], sel.fc2[l])
+        return sel.pick(l, sel.logits)
+
+    def attention_block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
         """Pre-norm self-attention with RoPE; appends this step's keys and values to the cache.  h: [T, D]."""
-        L, out = self.layers[l], np.empty_like(h)
-        cpu.attention_block(out, h, L.attn_norm, L.wqkv, L.wo, cache.k[l], cache.v[l], self.cos, self.sin, cache.length,
-                            self.config.rms_norm_eps)
+        L, out, seq = self.layers[l], np.empty_like(h), batch.seqs[0]
+        cpu.attention_block(out, h, L.attn_norm, L.wqkv, L.wo, cache.k[l][seq], cache.v[l][seq], self.cos, self.sin,
+                            batch.positions[0], self.config.rms_norm_eps)
         return out
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
-        """y = sum over the active set of a_i Wd[:, i], the set chosen per token by `self.select`.  h: [T, D]."""
+        """y = sum over the active set of a_i Wd[:, i], the set chosen per token by `active_set`.  h: [T, D]."""
         L, y = self.layers[l], np.empty_like(h)
         for t in range(h.shape[0]):
-            active, n = self.select(l, h[t])
-            cpu.ffn_block(y[t], self.acc, h[t], L.ffn_norm, L.w3, active, n, self.kind, self.thr, self.config.rms_norm_eps)
+            active = self.active_set(l, h[t])
+            cpu.ffn_block(y[t], self.acc, h[t], L.ffn_norm, L.bundle, active, len(active), self.kind, self.thr,
+                          self.config.rms_norm_eps)
         return y
 
-    def forward(self, ids, cache: KVCache) -> np.ndarray:
-        """Logits [T, V] for `ids` following the cached positions; the cache grows by T."""
-        c = self.config
-        ids = step_ids(ids, cache, c)
-        h = self.embed[ids]  # [T, D]
-        for l in range(c.n_layers):
-            h += self.attention_block(l, h, cache)
-            h += self.ffn_block(l, h)
-        cache.length += len(ids)
+    def block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
+        """The LLaMA block on the residual stream h [T, D], in place."""
+        h += self.attention_block(l, h, batch, cache)
+        h += self.ffn_block(l, h)
+
+    def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
+        """Logits [T, V] of a batch; its sequence's cache slot grows by T."""
+        seq, _ = check_batch(batch, cache, self.config)
+        h = self.embed[batch.tokens]  # [T, D]
+        for l in range(self.config.n_layers):
+            self.block(l, h, batch, cache)
+        cache.lengths[seq] += len(batch)
         return self.output(h)
 
     def output(self, h: np.ndarray) -> np.ndarray:
@@ -154,15 +176,6 @@ class Engine:
         logits = np.empty((h.shape[0], self.config.vocab_size), F32)
         cpu.matmul(logits, x, self.lm_head)
         return logits
-
-    def logits(self, ids) -> np.ndarray:
-        """Float32 logits [T, V] for a whole sequence from a fresh cache."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        check_ids(ids, self.config)
-        return self.forward(ids, self.new_cache(max(len(ids), 1)))
-
-    def generate(self, ids, max_new_tokens, **kwargs) -> list[int]:
-        return generate(self, ids, max_new_tokens, **kwargs)
 
 
 def set_threads(threads: int | None) -> int:
@@ -177,8 +190,6 @@ def set_threads(threads: int | None) -> int:
 
 
 def apply_predictors(engine: Engine, predictors, threshold: float | None = None) -> Engine:
-    """Predictor-gated sparse FFN (DESIGN section 2), from a file or a loaded `ref.sparse.Predictors`."""
-    pred, theta = resolve_predictors(engine.config, predictors, threshold)
-    engine.select = PredictorSelect(pred, theta, engine.config.d_ffn)
-    engine.predictor_threshold = theta
+    """Predictor-gated sparse FFN, from a predictors file or loaded `Predictors` (the stored threshold unless given)."""
+    engine.selector = Selector(engine.config.d_ffn, *sparse.resolve_predictors(engine.config, predictors, threshold))
     return engine

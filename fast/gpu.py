@@ -12,7 +12,7 @@ N output rows, R predictor hidden size.
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32
 
 from fast.cpu import activation_py
 
@@ -117,7 +117,7 @@ activation = cuda.jit(device=True, inline=True)(activation_py)
 
 
 @cuda.jit
-def _ffn_gate_up(a, x, w3, active, kind, thr):
+def _ffn_gate_up(a, x, bundle, active, kind, thr):
     """Block j: a[j] = act(gate . x, up . x) of neuron active[j]; gate and up rows read coalesced."""
     buf = cuda.shared.array(THREADS, float32)
     j = cuda.blockIdx.x
@@ -125,8 +125,8 @@ def _ffn_gate_up(a, x, w3, active, kind, thr):
     g = float32(0.0)
     u = float32(0.0)
     for d in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
-        g += w3[i, 0, d] * x[d]
-        u += w3[i, 1, d] * x[d]
+        g += bundle[i, 0, d] * x[d]
+        u += bundle[i, 1, d] * x[d]
     g = block_reduce(buf, g, False)
     u = block_reduce(buf, u, False)
     if cuda.threadIdx.x == 0:
@@ -134,7 +134,7 @@ def _ffn_gate_up(a, x, w3, active, kind, thr):
 
 
 @cuda.jit
-def _ffn_down(part, a, w3, active, n_active):
+def _ffn_down(part, a, bundle, active, n_active):
     """Block (x, c): part[c, d] = sum over chunk c of j < n_active of a[j] down_j[d], down rows with a[j] == 0 not
     read (the branch is uniform over the block); consecutive threads read consecutive d of a row. Chunks give
     the GPU enough blocks to keep its memory busy."""
@@ -144,7 +144,7 @@ def _ffn_down(part, a, w3, active, n_active):
         s = float32(0.0)
         for j in range(c * n_active // C, (c + 1) * n_active // C):
             if a[j] != 0:
-                s += a[j] * w3[active[j], 2, d]
+                s += a[j] * bundle[active[j], 2, d]
         part[c, d] = s
 
 
@@ -157,31 +157,6 @@ def _sum_rows(out, part):
         for c in range(part.shape[0]):
             s += part[c, d]
         out[d] = s
-
-
-@cuda.jit
-def _predicted_set(active, n_out, logits, threshold):
-    """One block: each thread compacts a contiguous chunk; chunk offsets by a serial scan in shared memory."""
-    counts = cuda.shared.array(THREADS, int32)
-    t, F, nt = cuda.threadIdx.x, logits.shape[0], cuda.blockDim.x
-    lo, hi = t * F // nt, (t + 1) * F // nt
-    c = 0
-    for i in range(lo, hi):
-        if logits[i] >= threshold:
-            c += 1
-    counts[t] = c
-    cuda.syncthreads()
-    if t == 0:
-        run = 0
-        for j in range(nt):
-            run, counts[j] = run + counts[j], run
-        n_out[0] = run
-    cuda.syncthreads()
-    pos = counts[t]
-    for i in range(lo, hi):
-        if logits[i] >= threshold:
-            active[pos] = i
-            pos += 1
 
 
 def scratch(name: str, shape, dtype=np.float32):
@@ -214,14 +189,14 @@ def attention(out, q, k, v, pos0, scores):
     _attention[q.shape[0] * q.shape[1], THREADS](out, q, k, v, pos0, scores)
 
 
-def sparse_ffn(out, acc, x, w3, active, n_active, kind, thr):
+def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch).
     The down pass writes per-chunk partial sums, then adds them in a fixed order."""
     D, C = out.shape[0], max(1, min(CHUNKS, n_active))
     a, part = scratch("ffn_a", max(n_active, 1)), scratch("ffn_part", (C, D))
     if n_active:
-        _ffn_gate_up[n_active, THREADS](a, x, w3, active, kind, np.float32(thr))
-    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, w3, active, n_active)
+        _ffn_gate_up[n_active, THREADS](a, x, bundle, active, kind, np.float32(thr))
+    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, bundle, active, n_active)
     _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 
 
@@ -231,10 +206,31 @@ def predictor(out, hidden, h, fc1, fc2):
     matmul(out.reshape(1, -1), hidden.reshape(1, -1), fc2)
 
 
-def predicted_set(active, logits, threshold) -> int:
-    n = scratch("n_active", 1, np.int32)
-    _predicted_set[1, THREADS](active, n, logits, np.float32(threshold))
-    return int(n.copy_to_host()[0])
+def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):
+    """Same contract as fast.cpu.attention_block. The projections read row blocks of wqkv into contiguous buffers
+    (v straight into its cache rows), since a device array's column slices cannot be reshaped."""
+    T, D = h.shape
+    K, E = k_cache.shape[1], k_cache.shape[2]
+    H = wo.shape[1] // E
+    x = scratch("attn_x", (T, D))
+    rmsnorm(x, h, attn_norm, eps)
+    q, k = scratch("attn_q", (T, H * E)), scratch("attn_k", (T, K * E))
+    matmul(q, x, wqkv[: H * E])
+    matmul(k, x, wqkv[H * E:(H + K) * E])
+    matmul(v_cache[pos0:pos0 + T].reshape(T, K * E), x, wqkv[(H + K) * E:])
+    q3 = q.reshape(T, H, E)
+    rope(q3, q3, cos, sin, pos0)
+    rope(k_cache[pos0:pos0 + T], k.reshape(T, K, E), cos, sin, pos0)
+    att = scratch("attn_att", (T, H, E))
+    attention(att, q3, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, scratch("attn_scores", (T * H, pos0 + T)))
+    matmul(out, att.reshape(T, H * E), wo)
+
+
+def ffn_block(out, acc, h, ffn_norm, bundle, active, n_active, kind, thr, eps):
+    """Same contract as fast.cpu.ffn_block: out = sparse_ffn(rmsnorm(h)) for one token h [D]."""
+    x = scratch("ffn_block_x", (1, h.shape[0]))
+    rmsnorm(x, h.reshape(1, h.shape[0]), ffn_norm, eps)
+    sparse_ffn(out, acc, x[0], bundle, active, n_active, kind, thr)
 
 
 @cuda.jit

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from fast.engine import DEVICES, POLICIES, Engine
-from ref.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
-from ref.errors import UserError
-from ref.generate import Timings, check_prompt, check_sampling
-from ref.tokenizer import load_tokenizer
+from fast.load import DEVICES, POLICIES, load_engine
+from ref.common.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
+from ref.common.errors import UserError
+from ref.common.sampling import Timings, check_prompt, check_sampling
+from ref.common.tokenizer import load_tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,14 +36,14 @@ def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_p
     if predictors is None and not dense and (model_dir / "predictors.safetensors").is_file():
         predictors = model_dir / "predictors.safetensors"
     t0 = time.perf_counter()
-    engine = Engine.load(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
+    engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
                          threads=threads, predictor_threshold=predictor_threshold, policy=policy)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     ids = tok.encode(prompt)
     check_prompt(ids, engine.config, ctx_size)
     seed = resolve_seed(seed)
-    mode = f"sparse ({predictors}, threshold {engine.predictor_threshold})" if predictors else "dense"
+    mode = f"sparse ({predictors}, threshold {engine.selector.threshold})" if predictors else "dense"
     click.echo(f"seed = {seed}; {engine.threads} threads; FFN {mode}; kernels ready in {engine.compile_seconds:.2f} s", err=True)
     click.echo(prompt, nl=False)
     timings = Timings()

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import click
 
-from ref.cli import user_errors
-from ref.config import ModelConfig
-from ref.errors import UserError
-from ref.profile import load_activations
+from ref.common.artifacts import load_activations, predictor_params, save_placement
+from ref.common.cli import user_errors
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.formats import format_of
 
 from placement.budget import load_hardware
 from placement.place import place, request
-from placement.solver import save_placement
 
 
 def min_cpu_option(value: str) -> str | int:
@@ -32,7 +32,8 @@ def min_cpu_option(value: str) -> str | int:
 @click.option("--group", type=int, default=64, show_default=True, help="Neurons per ILP group.")
 @click.option("--min-cpu-neurons", default="auto", show_default=True, help="C_l: 'auto' from the hardware, or N (0: off).")
 @click.option("--time-limit", type=float, default=10.0, show_default=True, help="Solver seconds.")
-@click.option("--dtype", default=None, help="Storage dtype on the GPU [default: config's torch_dtype].")
+@click.option("--dtype", default=None, help="Weight format on the GPU: f32, f16, bf16, q8_0, q4_0 (or a torch dtype) "
+              "[default: config's torch_dtype].")
 @click.option("-c", "--ctx-size", type=int, default=0, help="KV cache tokens [default: the model's context].")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="Predictors file (their bytes are budgeted).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True)
@@ -43,15 +44,15 @@ def main(model_dir, activations, vram_budget, hardware, group, min_cpu_neurons, 
     """Place each layer's most frequently firing FFN neurons on the GPU within a VRAM budget."""
     cfg = ModelConfig.from_hf(model_dir)
     hw = load_hardware(hardware)
-    dtype = dtype or cfg.torch_dtype
+    fmt = format_of(dtype or cfg.torch_dtype, "--dtype")
     if time_limit <= 0:
         raise UserError(f"--time-limit must be > 0, got {time_limit}")
     if predictors is None and (model_dir / "predictors.safetensors").is_file():
         predictors = model_dir / "predictors.safetensors"
-    req = request(cfg, activations, vram_budget, hw, dtype, ctx_size or cfg.max_seq_len, group,
+    req = request(cfg, activations, vram_budget, hw, fmt, ctx_size or cfg.max_seq_len, group,
                   min_cpu_option(min_cpu_neurons))
-    p, plan, meta = place(cfg, activations, req, hw, predictors, time_limit)
-    save_placement(output, p, meta)
+    p, plan, meta = place(cfg, activations, req, hw, predictor_params(predictors, cfg.n_layers), time_limit)
+    save_placement(output, p.gpu_neurons, meta)
     if as_json:
         click.echo(json.dumps({
             "status": p.status, "objective": p.objective, "bound": p.bound, "gap": p.gap,

@@ -5,14 +5,17 @@ Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V v
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ref.config import ModelConfig
-from ref.errors import UserError
+import numpy as np
+
+from ref.common.artifacts import dense_names
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS, Format
 
 GiB = 2**30
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PREFILL_CHUNK = 512  # tokens per prefill pass; sizes the scratch headroom
 
 
@@ -52,10 +55,20 @@ HARDWARE = {
     # H200 SXM: 141 GB HBM3e at 4.8 TB/s (NVIDIA spec sheet; ~139 GiB usable); PCIe 5.0 x16 host link,
     # ~50 GB/s achieved of 64; 8-channel DDR5 host, ~250 GB/s achieved.
     "h200": Hardware("h200", 139 * GiB, 4.8e12, 250e9, 50e9, 5e-6, 10e-6),
-    # No GPU: everything on the CPU (DESIGN's CPU-only mode); the bandwidths are this project's 2-core CI machine.
+    # No GPU: everything on the CPU (PowerInfer's CPU-only mode); the bandwidths are this project's 2-core CI machine.
     "cpu-only": Hardware("cpu-only", 0, 1.0, 23e9, 1.0, 0.0, 0.0),
 }
 HARDWARE_FIELDS = tuple(Hardware.__dataclass_fields__)
+
+
+def hardware_for(device_name: str, vram_bytes: int) -> Hardware:
+    """The profile of a CUDA device: a known card by its name, else rtx4090's links with the device's memory."""
+    for key, hw in HARDWARE.items():
+        if key.replace("rtx", "") in device_name.lower().replace(" ", ""):
+            return hw
+    base = HARDWARE["rtx4090"]
+    return Hardware(f"device:{device_name}", vram_bytes or base.vram_bytes, base.gpu_bandwidth, base.cpu_bandwidth,
+                    base.pcie_bandwidth, base.pcie_latency, base.sync_cost)
 
 
 def load_hardware(name_or_file: str) -> Hardware:
@@ -93,40 +106,34 @@ class Budget:
     ffn_budget_bytes: int = 0
     neuron_bytes: int = 0
 
-    def as_dict(self) -> dict:
-        return asdict(self)
+
+def dense_parts(cfg: ModelConfig, fmt: Format, ctx: int, predictor_params: list[int]) -> list[tuple[str, int]]:
+    """Dense GPU candidates in PowerInfer's order (ref.common.artifacts.dense_names) with their bytes: attention of
+    every layer (with that layer's KV cache for `ctx` tokens: attention runs where its cache is), predictors, FFN
+    norms, final norm and lm_head. Matrices in the weights' format, vectors and caches in its vector format."""
+    vb = FORMATS[fmt.vector].block_bytes
+    D, E, H, K = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    attn = 2 * fmt.nbytes((H * E, D)) + 2 * fmt.nbytes((K * E, D)) + D * vb  # wq, wo, wk, wv, attn_norm
+    kv = 2 * ctx * K * E * vb
+    sizes = [attn + kv] * cfg.n_layers + [n * vb for n in predictor_params]
+    sizes += [cfg.n_layers * D * vb, D * vb + fmt.nbytes((cfg.vocab_size, D))]  # FFN norms; final norm and lm_head
+    names = [f"attention.{l}" for l in range(cfg.n_layers)] + [f"predictor.{l}" for l in range(len(predictor_params))]
+    return list(zip(names + dense_names(0), sizes))  # dense_names(0): the parts that follow the layers' own
 
 
-def dense_parts(cfg: ModelConfig, dtype: str, ctx: int, predictor_params: list[int]) -> list[tuple[str, int]]:
-    """Dense GPU candidates in PowerInfer's order with their bytes: attention of every layer (with that layer's
-    KV cache for `ctx` tokens, in the weights' dtype: attention runs where its cache is), predictors, FFN norms,
-    final norm and lm_head."""
-    b = DTYPE_BYTES[dtype]
-    D, E = cfg.d_model, cfg.head_dim
-    attn = (2 * D * cfg.n_heads * E + 2 * D * cfg.n_kv_heads * E + D) * b  # wq, wo, wk, wv, attn_norm
-    kv = 2 * ctx * cfg.n_kv_heads * E * b
-    parts = [(f"attention.{l}", attn + kv) for l in range(cfg.n_layers)]
-    parts += [(f"predictor.{l}", n * b) for l, n in enumerate(predictor_params)]
-    parts.append(("ffn_norms", cfg.n_layers * D * b))
-    parts.append(("output", (D + cfg.vocab_size * D) * b))  # final norm and lm_head
-    return parts
-
-
-def plan_budget(cfg: ModelConfig, dtype: str, ctx: int, budget_bytes: int, predictor_params: list[int] | None = None) -> Budget:
+def plan_budget(cfg: ModelConfig, fmt: Format, ctx: int, budget_bytes: int,
+                predictor_params: list[int] | None = None) -> Budget:
     """Place the dense parts that fit whole, in order, after a scratch headroom; the rest is the FFN neuron budget.
 
     Headroom: one prefill chunk's float32 activations and logits, 4 * PREFILL_CHUNK * (V + 2F + 8D) bytes.
     """
-    if dtype not in DTYPE_BYTES:
-        raise UserError(f"--dtype: unknown '{dtype}' (known: {', '.join(DTYPE_BYTES)})")
     if budget_bytes < 0:
         raise UserError(f"--vram-budget must be >= 0, got {budget_bytes / GiB:g} GiB")
-    neuron = cfg.ffn_matrices * cfg.d_model * DTYPE_BYTES[dtype]
+    neuron = cfg.ffn_matrices * fmt.row_bytes(cfg.d_model)
+    parts = dense_parts(cfg, fmt, ctx, predictor_params or [])
     if budget_bytes == 0:
-        parts = dense_parts(cfg, dtype, ctx, predictor_params or [])
         return Budget(0, 0, [], parts, 0, neuron)
     headroom = 4 * PREFILL_CHUNK * (cfg.vocab_size + 2 * cfg.d_ffn + 8 * cfg.d_model)
-    parts = dense_parts(cfg, dtype, ctx, predictor_params or [])
     if budget_bytes < headroom + parts[0][1]:
         raise UserError(f"--vram-budget {budget_bytes / GiB:.3f} GiB is too small: scratch headroom "
                         f"({headroom / 2**20:.1f} MiB) and {parts[0][0]} ({parts[0][1] / 2**20:.1f} MiB) do not fit")
@@ -140,3 +147,17 @@ def plan_budget(cfg: ModelConfig, dtype: str, ctx: int, budget_bytes: int, predi
             plan.on_cpu.append((name, size))
     plan.ffn_budget_bytes = left
     return plan
+
+
+def whole_layers(cfg: ModelConfig, fmt: Format, ctx: int, budget_bytes: int) -> tuple[list[np.ndarray], list[str]]:
+    """llama.cpp's -ngl as a placement (GPU neurons per layer, dense parts on the GPU): as many whole layers
+    (attention with its KV cache, FFN norm, every neuron) as fit the budget, the first ones first; the output layer
+    too only when every layer and it fit."""
+    parts = dict(dense_parts(cfg, fmt, ctx, []))
+    neurons = cfg.d_ffn * cfg.ffn_matrices * fmt.row_bytes(cfg.d_model)
+    per_layer = parts["attention.0"] + parts["ffn_norms"] // cfg.n_layers + neurons
+    n = min(cfg.n_layers, max(budget_bytes, 0) // per_layer)
+    if n == cfg.n_layers and n * per_layer + parts["output"] > budget_bytes:
+        n -= 1
+    neurons = [np.arange(cfg.d_ffn if l < n else 0, dtype=np.int32) for l in range(cfg.n_layers)]
+    return neurons, dense_names(n, output=n == cfg.n_layers)

@@ -10,16 +10,12 @@ Per layer l, neurons sorted by firing count (most frequent first) and cut into g
 Dimensions: L layers, F FFN neurons, G groups per layer.
 """
 
-import json
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
-from ref.artifacts import atomic_save, layer_keys
-from ref.errors import UserError
-from ref.weights import open_safetensors, read_header
+from ref.common.errors import UserError
 
 
 @dataclass
@@ -58,11 +54,15 @@ class Placement:
     bound: float
     solve_seconds: float
     min_cpu_neurons: list
-    meta: dict = field(default_factory=dict)
 
     @property
     def gap(self) -> float:
         return (self.bound - self.objective) / max(abs(self.bound), 1e-12)
+
+    def report(self) -> dict:
+        """What the placement file records of the solve."""
+        return {"status": self.status, "objective": self.objective, "bound": self.bound, "gap": self.gap,
+                "solve_seconds": self.solve_seconds, "min_cpu_neurons": self.min_cpu_neurons}
 
 
 def greedy(groups: Groups, capacity: int) -> list[np.ndarray]:
@@ -159,43 +159,3 @@ def solve_scip(groups: Groups, capacity: int, min_cpu: list[int], time_limit: fl
     return Placement([groups.neurons(l, t) for l, t in enumerate(taken)],
                      "OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
                      s.Objective().Value(), s.Objective().BestBound(), time.perf_counter() - t0, list(min_cpu))
-
-
-def save_placement(path: Path, p: Placement, meta: dict) -> None:
-    """`layers.{l}.gpu_neurons` int32 sorted, and the request and solver report as JSON metadata."""
-    tensors = {f"layers.{l}.gpu_neurons": np.asarray(n, np.int32) for l, n in enumerate(p.gpu_neurons)}
-    report = {"status": p.status, "objective": p.objective, "bound": p.bound, "gap": p.gap,
-              "solve_seconds": p.solve_seconds, "min_cpu_neurons": p.min_cpu_neurons}
-    atomic_save(path, tensors, {k: json.dumps(v) for k, v in {**meta, **report}.items()})
-
-
-def load_placement(path: str | Path, n_layers: int | None = None, d_ffn: int | None = None) -> tuple[list, dict]:
-    """(gpu neurons per layer, metadata) with every layer's ids checked sorted, unique and in [0, F)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: placement file not found")
-    tensors = open_safetensors(path)
-    try:
-        meta = {k: json.loads(v) for k, v in read_header(path)[2].items()}
-    except json.JSONDecodeError:
-        raise UserError(f"{path}: corrupt metadata") from None
-    n = layer_keys(path, tensors, ("gpu_neurons",))
-    if n_layers is not None and n != n_layers:
-        raise UserError(f"{path}: placement for {n} layers, the model has {n_layers}")
-    out = []
-    for l in range(n):
-        ids = np.asarray(tensors[f"layers.{l}.gpu_neurons"])
-        if ids.dtype != np.int32 or ids.ndim != 1 or (len(ids) and (np.any(np.diff(ids) <= 0) or ids[0] < 0)):
-            raise UserError(f"{path}: layer {l} gpu_neurons must be sorted unique int32 ids")
-        if d_ffn is not None and len(ids) and ids[-1] >= d_ffn:
-            raise UserError(f"{path}: layer {l} has neuron id {ids[-1]}, the model has F = {d_ffn}")
-        out.append(ids.copy())
-    return out, meta
-
-
-REQUEST_KEYS = ("budget_bytes", "hardware", "dtype", "activations_sha256", "group", "ctx_size", "min_cpu_neurons_request")
-
-
-def matches(meta: dict, request: dict) -> bool:
-    """A stored placement is reused only if it was solved for this exact request."""
-    return all(meta.get(k) == request.get(k) for k in REQUEST_KEYS)

@@ -6,10 +6,10 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ref.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
-from ref.generate import Timings, check_prompt, check_sampling, generate
-from ref.model import load_model
-from ref.tokenizer import load_tokenizer
+from ref import load_model
+from ref.common.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
+from ref.common.sampling import Timings, check_prompt, check_sampling, generate
+from ref.common.tokenizer import load_tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -5,8 +5,9 @@ Dimensions: T window tokens, V vocab, F FFN neurons, L layers.
 
 import numpy as np
 
+from ref.common.progress import Progress
 from ref.model import Model
-from ref.progress import Progress
+from ref.profile import run_corpus
 from ref.sparse import SparseFFN, oracle_set
 
 
@@ -28,8 +29,8 @@ def perplexity(model: Model, windows, label: str = "eval") -> tuple[float, int]:
 def measure_predictors(model: Model, windows) -> list[dict]:
     """Per layer, on these tokens: recall and precision of the predicted set, predicted and fired fractions.
 
-    `model` carries predictors (`apply_predictors`). Runs the predictor-gated model (so every layer sees the inputs it would really see) and compares each
-    predicted set with the neurons that would fire for the same input.
+    `model` carries predictors (`apply_predictors`). Runs the predictor-gated model (so every layer sees the inputs it
+    would really see) and compares each predicted set with the neurons that would fire for the same input.
     """
     c, saved = model.config, model.ffn_block
     tp, npred, nfired, tokens = (np.zeros(c.n_layers) for _ in range(4))
@@ -45,8 +46,7 @@ def measure_predictors(model: Model, windows) -> list[dict]:
 
     model.ffn_block = SparseFFN(model, choose)
     try:
-        for ids, _ in windows:
-            model.forward(ids, model.new_cache(len(ids)))
+        run_corpus(model, windows, "measure", None)
     finally:
         model.ffn_block = saved
     return [{"layer": l, "recall": tp[l] / max(nfired[l], 1), "precision": tp[l] / max(npred[l], 1),

@@ -1,17 +1,23 @@
-"""The dense reference model: LLaMA-family decoder with a gated ReLU-family FFN, in plain NumPy.
+"""The dense reference model in plain NumPy: the semantics every engine is checked against.
+
+A model is its family's block applied layer after layer to the residual stream. The LLaMA family (LLaMA, Mistral,
+ReluLLaMA, ProSparse, Bamboo): pre-norm RMSNorm blocks, RoPE, GQA attention, a gated FFN, no biases. Another family
+is another small `Model` subclass with its own `block`, registered in FAMILIES.
 
 Dimensions: T new tokens, S cached + new tokens, D d_model, F FFN neurons, H/K query/key-value heads,
 E head dim, V vocab, L layers.
 """
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ref.config import ModelConfig
-from ref.errors import UserError
-from ref.weights import Weights, upcast
+from ref.common.batch import Batch, KVCache, check_batch
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.safetensors import upcast
+from ref.common.sampling import check_fits
+from ref.common.weights import Weights
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -35,15 +41,15 @@ def rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
     return x * cos + rotated * sin
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Causal softmax(q k^T / sqrt(E)) v per head; query head h reads kv head h // (H/K) (GQA).
 
-    q: [T, H, E] for positions pos0..pos0+T-1; k, v: [S, K, E] for positions 0..S-1.
+    q: [T, H, E] at `positions` [T]; k, v: [S, K, E] for positions 0..S-1; a query sees keys up to its position.
     """
     T, H, E = q.shape
     S, K, _ = k.shape
     out = np.empty_like(q)  # [T, H, E]
-    visible = np.arange(S)[None, :] <= (pos0 + np.arange(T))[:, None]  # [T, S]
+    visible = np.arange(S)[None, :] <= np.asarray(positions)[:, None]  # [T, S]
     q, k, v = (np.ascontiguousarray(a.transpose(1, 0, 2)) for a in (q, k, v))  # head-major: BLAS needs contiguity
     for h in range(H):
         kv = h // (H // K)
@@ -55,7 +61,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndar
 
 
 def ffn_activation(kind: str, g: np.ndarray, u: np.ndarray, t: float = 0.0) -> np.ndarray:
-    """The gated activation a(g, u) of DESIGN section 2, elementwise."""
+    """The gated activation a(g, u) of each FFN kind, elementwise: relu(g) u (ReGLU), g [g > t] u (FATReLU),
+    relu(g) relu(u) (dReLU), silu(g) u (SwiGLU)."""
     if kind == "relu":
         return np.maximum(g, 0) * u
     if kind == "fatrelu":
@@ -83,49 +90,62 @@ def require_sparse(kind: str) -> None:
     fired(kind, np.zeros(1), np.zeros(1))
 
 
-@dataclass
-class KVCache:
-    """Keys and values of every layer for positions 0..length-1, preallocated to `capacity`."""
-
-    k: np.ndarray  # [L, capacity, K, E]
-    v: np.ndarray  # [L, capacity, K, E]
-    length: int = 0
-
-    @staticmethod
-    def empty(cfg: ModelConfig, capacity: int, dtype) -> "KVCache":
-        shape = (cfg.n_layers, capacity, cfg.n_kv_heads, cfg.head_dim)
-        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype))
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-
 class Model:
-    """Dense LLaMA-family forward pass. `ffn_block` is a per-instance callable so transforms can replace it."""
+    """A decoder: embedding, the family's `block` per layer, `output`. `ffn_block` is a per-instance callable so that
+    transforms (predictors, the oracle set, profiling) replace it without a branch in the block."""
 
     def __init__(self, config: ModelConfig, weights: Weights, dtype=np.float32):
         self.config, self.weights, self.dtype = config, weights, np.dtype(dtype)
         self.ffn_block = self.dense_ffn_block
 
+    @staticmethod
+    def load(path: str | Path, dtype=np.float32) -> "Model":
+        """The dense model of an HF folder, as its family defines it; nothing else (features are transforms)."""
+        cfg = ModelConfig.from_hf(path)
+        return FAMILIES[cfg.family](cfg, Weights.load(path, cfg), dtype)
+
     def w(self, name: str) -> np.ndarray:
         return upcast(self.weights[name], self.dtype)
 
-    def new_cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype)
+    def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
+        return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype, slots)
 
-    def attention_block(self, l: int, h: np.ndarray, cache: KVCache) -> np.ndarray:
+    def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
+        """Logits [T, V] of a batch; its sequence's cache slot grows by T."""
+        seq, _ = check_batch(batch, cache, self.config)
+        h = upcast(self.weights["embed"][batch.tokens], self.dtype)  # [T, D]
+        for l in range(self.config.n_layers):
+            h = self.block(l, h, batch, cache)
+        cache.lengths[seq] += len(batch)
+        return self.output(h)
+
+    def logits(self, ids) -> np.ndarray:
+        """Float32 logits [T, V] for a whole sequence from a fresh cache."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        check_fits(len(ids), self.config.max_seq_len)
+        cache = self.new_cache(max(len(ids), 1))
+        return self.forward(Batch.single(ids, cache), cache).astype(np.float32)
+
+
+class Llama(Model):
+    """The LLaMA block: h += attention(rmsnorm(h)); h += ffn(rmsnorm(h)); logits = lm_head(rmsnorm(h))."""
+
+    def block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
+        h = h + self.attention_block(l, h, batch, cache)
+        return h + self.ffn_block(l, h)
+
+    def attention_block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
         """Pre-norm self-attention with RoPE, appending this step's keys and values to the cache.  h: [T, D]."""
         c, p = self.config, f"layers.{l}."
-        T, s0 = h.shape[0], cache.length
+        T, seq, s0 = h.shape[0], batch.seqs[0], batch.positions[0]
         x = rmsnorm(h, self.w(p + "attn_norm"), c.rms_norm_eps)  # [T, D]
-        pos = np.arange(s0, s0 + T)
         q = (x @ self.w(p + "wq").T).reshape(T, c.n_heads, c.head_dim)  # [T, H, E]
         k = (x @ self.w(p + "wk").T).reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
         v = (x @ self.w(p + "wv").T).reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
-        q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
-        cache.k[l, s0:s0 + T], cache.v[l, s0:s0 + T] = k, v
-        att = attention(q, cache.k[l, :s0 + T], cache.v[l, :s0 + T], s0)  # [T, H, E]
+        q, k = rope(q, batch.positions, c.rope_theta), rope(k, batch.positions, c.rope_theta)
+        keys, values = cache.k[l][seq], cache.v[l][seq]  # [capacity, K, E]
+        keys[s0:s0 + T], values[s0:s0 + T] = k, v
+        att = attention(q, keys[:s0 + T], values[:s0 + T], batch.positions)  # [T, H, E]
         return att.reshape(T, -1) @ self.w(p + "wo").T  # [T, D]
 
     def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -140,45 +160,11 @@ class Model:
         g, u = self.ffn_gate_up(l, h)  # [T, F]
         return ffn_activation(c.ffn_kind, g, u, c.act_threshold) @ self.w(f"layers.{l}.wd").T  # [T, D]
 
-    def forward(self, ids, cache: KVCache) -> np.ndarray:
-        """Logits [T, V] for `ids` following the cached positions; the cache grows by T."""
+    def output(self, h: np.ndarray) -> np.ndarray:
+        """Logits [T, V] = lm_head . rmsnorm(h)."""
         c = self.config
-        ids = step_ids(ids, cache, c)
-        h = upcast(self.weights["embed"][ids], self.dtype)  # [T, D]
-        for l in range(c.n_layers):
-            h = h + self.attention_block(l, h, cache)
-            h = h + self.ffn_block(l, h)
-        cache.length += len(ids)
         x = rmsnorm(h, self.w("norm"), c.rms_norm_eps)  # [T, D]
         return x @ self.w("embed" if c.tie_word_embeddings else "lm_head").T  # [T, V]
 
-    def logits(self, ids) -> np.ndarray:
-        """Float32 logits [T, V] for a whole sequence from a fresh cache."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        check_ids(ids, self.config)
-        return self.forward(ids, self.new_cache(max(len(ids), 1))).astype(np.float32)
 
-
-def step_ids(ids, cache: KVCache, cfg: ModelConfig) -> np.ndarray:
-    """The ids of one forward step as int64 [T], checked to fit the cache and the vocabulary."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if cache.length + len(ids) > cache.capacity:
-        raise UserError(f"context full: {cache.length} + {len(ids)} tokens > context size {cache.capacity}")
-    if len(ids) and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
-        raise UserError(f"token id out of range [0, {cfg.vocab_size})")
-    return ids
-
-
-def check_ids(ids: np.ndarray, cfg: ModelConfig) -> None:
-    if len(ids) > cfg.max_seq_len:
-        raise UserError(f"prompt of {len(ids)} tokens is longer than the context ({cfg.max_seq_len})")
-
-
-def load_model(path: str | Path, predictors: str | Path | None = None, dtype=np.float32) -> Model:
-    """Dense model from an HF folder; with `predictors`, the predictor-gated sparse FFN is applied as a transform."""
-    cfg = ModelConfig.from_hf(path)
-    model = Model(cfg, Weights.load(path, cfg), dtype)
-    if predictors is not None:
-        from ref.sparse import apply_predictors
-        apply_predictors(model, predictors)
-    return model
+FAMILIES = {"llama": Llama}

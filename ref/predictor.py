@@ -7,13 +7,12 @@ Dimensions: N samples, B batch, D d_model, F FFN neurons, R predictor hidden siz
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from ref.artifacts import atomic_save
-from ref.progress import Progress
-from ref.sparse import Predictors, predictor_logits
+from ref.common.artifacts import Predictors
+from ref.common.progress import Progress
+from ref.sparse import predictor_logits
 
 LADDER = (16, 32, 64, 128, 256, 512, 1024)
 THRESHOLDS = (0.0, -0.25, -0.5, -1.0, -1.5, -2.0, -3.0)
@@ -179,11 +178,3 @@ def train_all(samples, model_params: int, s: TrainSettings) -> tuple[Predictors,
                                    "predicted_fraction": r.predicted, "fired_fraction": r.fired} for r in reports])}
     pred = Predictors([c.fc1.astype(np.float32) for c in chosen], [c.fc2.astype(np.float32) for c in chosen], theta, meta)
     return pred, reports
-
-
-def save_predictors(path: Path, pred: Predictors) -> None:
-    tensors = {}
-    for l, (a, b) in enumerate(zip(pred.fc1, pred.fc2)):
-        tensors[f"layers.{l}.fc1.weight"] = a
-        tensors[f"layers.{l}.fc2.weight"] = b
-    atomic_save(path, tensors, pred.metadata)

@@ -5,16 +5,14 @@ Both stream the corpus window by window: memory is fixed by the counts and the r
 Dimensions: T window tokens, D d_model, F FFN neurons, L layers, N reservoir samples.
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from ref.artifacts import atomic_save, layer_keys, sha256_file, sha256_files
-from ref.errors import UserError
+from ref.common.batch import Batch
+from ref.common.errors import UserError
+from ref.common.progress import Progress
 from ref.model import Model, ffn_activation, fired, require_sparse
-from ref.progress import Progress
-from ref.weights import checkpoint_files, open_safetensors, read_header
 
 CHUNK_BYTES = 1 << 20
 
@@ -71,7 +69,8 @@ def run_corpus(model: Model, windows, label: str, total_tokens: int | None) -> i
     progress = Progress(label, total_tokens or 1.0)
     tokens = 0
     for ids, frac in windows:
-        model.forward(ids, model.new_cache(len(ids)))
+        cache = model.new_cache(len(ids))
+        model.forward(Batch.single(ids, cache), cache)
         tokens += len(ids)
         progress.update(len(ids), done=tokens if total_tokens else frac)
     progress.close()
@@ -152,41 +151,6 @@ def collect_samples(model: Model, windows, capacity: int, seed: int = 0, total_t
     finally:
         model.ffn_block = saved
     return res
-
-
-def model_sha256(model_dir: Path) -> str:
-    return sha256_files(checkpoint_files(Path(model_dir)))
-
-
-def save_activations(path: Path, counts: np.ndarray, tokens: int, corpus: Path, model_dir: Path) -> None:
-    tensors = {f"layers.{l}.counts": counts[l].astype(np.int64) for l in range(len(counts))}
-    tensors["tokens"] = np.array([tokens], dtype=np.int64)
-    meta = {"corpus": json.dumps(Path(corpus).name), "corpus_sha256": json.dumps(sha256_file(corpus)),
-            "model_sha256": json.dumps(model_sha256(model_dir))}
-    atomic_save(path, tensors, meta)
-
-
-def load_activations(path: str | Path, n_layers: int | None = None, d_ffn: int | None = None) -> tuple[np.ndarray, int, dict]:
-    """(counts [L, F] int64, tokens, metadata), checked against the expected layer count and F when given."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: activations file not found")
-    tensors = open_safetensors(path)
-    meta = read_header(path)[2]
-    if "tokens" not in tensors:
-        raise UserError(f"{path}: no 'tokens' tensor (not an activations file?)")
-    n = layer_keys(path, tensors, ("counts",), others=("tokens",))
-    if n_layers is not None and n != n_layers:
-        raise UserError(f"{path}: activations for {n} layers, the model has {n_layers}")
-    shapes = {tuple(tensors[f"layers.{l}.counts"].shape) for l in range(n)}
-    F = d_ffn if d_ffn is not None else next(iter(shapes), (0,))[0]
-    if shapes != {(F,)}:
-        raise UserError(f"{path}: counts of shape {sorted(shapes)[0]}, expected ({F},) per layer")
-    counts = np.stack([np.asarray(tensors[f"layers.{l}.counts"], dtype=np.int64) for l in range(n)])
-    tokens = int(np.asarray(tensors["tokens"]).reshape(-1)[0])
-    if counts.min(initial=0) < 0 or counts.max(initial=0) > tokens:
-        raise UserError(f"{path}: counts outside [0, tokens={tokens}]")
-    return counts, tokens, meta
 
 
 def firing_stats(counts: np.ndarray, tokens: int) -> list[dict]:

@@ -1,17 +1,20 @@
-"""Predictor-gated sparse FFN (PowerInfer section 4-5), as transforms applied to a dense `Model`.
+"""Predictor-gated sparse FFN (the PowerInfer paper, sections 4-5), as transforms applied to a dense `Model`.
+
+Predictor of layer l, on h = the residual stream entering the FFN block (before its norm): logits = fc2 relu(fc1 h),
+P = {i : logits_i >= θ}. Sparse FFN: y = sum_{i in P} a_i Wd[:, i], a_i computed only for i in P. Over the oracle set
+(the neurons that fire) it equals the dense FFN up to summation order. Hybrid split: with G a layer's GPU neurons,
+y = y_gpu + y_cpu, summing over P ∩ G and P \\ G.
 
 Dimensions: T tokens, D d_model, F FFN neurons, R predictor hidden size, L layers.
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from ref.artifacts import layer_keys
-from ref.errors import UserError
+from ref.common.artifacts import Predictors
+from ref.common.safetensors import upcast
 from ref.model import Model, ffn_activation, fired, require_sparse, rmsnorm
-from ref.weights import open_safetensors, read_header, upcast
 
 
 def predictor_logits(h: np.ndarray, fc1: np.ndarray, fc2: np.ndarray) -> np.ndarray:
@@ -43,43 +46,24 @@ def hybrid_ffn(x: np.ndarray, wg, wu, wd, active: np.ndarray, gpu: np.ndarray, k
             sparse_ffn(x, wg, wu, wd, active[~on_gpu], kind, t, dtype))
 
 
-class Predictors:
-    """Per-layer predictor weights and the threshold; validated against a model's shape."""
+class Selector:
+    """The active-set seam of every engine: per-layer predictor weights (none: every neuron is computed) and `pick`,
+    which turns a layer's predictor logits [F] into the sorted ids of the neurons to compute. An engine runs the
+    predictor wherever it keeps the weights, then asks `pick`."""
 
-    def __init__(self, fc1: list, fc2: list, threshold: float, metadata: dict):
-        self.fc1, self.fc2, self.threshold, self.metadata = fc1, fc2, threshold, metadata
+    def __init__(self, d_ffn: int, predictors: Predictors | None = None, threshold: float = 0.0):
+        self.fc1 = None if predictors is None else predictors.fc1  # per layer [R, D]
+        self.fc2 = None if predictors is None else predictors.fc2  # per layer [F, R]
+        self.threshold = threshold
+        self.all = np.arange(d_ffn, dtype=np.int32)
 
     @property
-    def hidden_sizes(self) -> list[int]:
-        return [w.shape[0] for w in self.fc1]
+    def predicts(self) -> bool:
+        return self.fc1 is not None
 
-    @property
-    def n_params(self) -> int:
-        return sum(a.size + b.size for a, b in zip(self.fc1, self.fc2))
-
-    @staticmethod
-    def load(path: str | Path, cfg) -> "Predictors":
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"{path}: predictors file not found")
-        tensors = open_safetensors(path)
-        meta = read_header(path)[2]
-        n = layer_keys(path, tensors, ("fc1.weight", "fc2.weight"))
-        if n != cfg.n_layers:
-            raise UserError(f"{path}: predictors for {n} layers, the model has {cfg.n_layers}")
-        fc1, fc2 = [], []
-        for l in range(cfg.n_layers):
-            a, b = tensors[f"layers.{l}.fc1.weight"], tensors[f"layers.{l}.fc2.weight"]
-            if len(a.shape) != 2 or a.shape[1] != cfg.d_model or tuple(b.shape) != (cfg.d_ffn, a.shape[0]):
-                raise UserError(f"{path}: layer {l} predictor has fc1 {tuple(a.shape)}, fc2 {tuple(b.shape)}; "
-                                f"the model needs fc1 [R, {cfg.d_model}], fc2 [{cfg.d_ffn}, R]")
-            fc1.append(upcast(a))
-            fc2.append(upcast(b))
-        try:
-            threshold = float(json.loads(meta.get("threshold", "0")))
-        except (json.JSONDecodeError, TypeError, ValueError):
-            raise UserError(f"{path}: metadata 'threshold' is not a number") from None
-        return Predictors(fc1, fc2, threshold, meta)
+    def pick(self, l: int, logits: np.ndarray | None) -> np.ndarray:
+        """P = {i : logits_i >= θ} of layer l; every neuron when there is no predictor (logits None)."""
+        return self.all if logits is None else predicted_set(logits, self.threshold)
 
 
 class SparseFFN:
@@ -105,7 +89,7 @@ def oracle_set(cfg, x: np.ndarray, wg: np.ndarray, wu: np.ndarray) -> np.ndarray
 
 
 def apply_oracle(model: Model) -> Model:
-    """Sparse FFN over the oracle set: equals dense up to summation order (DESIGN section 2)."""
+    """Sparse FFN over the oracle set: equals dense up to summation order."""
     require_sparse(model.config.ffn_kind)
     model.ffn_block = SparseFFN(model, lambda l, h, x, wg, wu: oracle_set(model.config, x, wg, wu))
     return model
@@ -120,12 +104,10 @@ def resolve_predictors(cfg, predictors: str | Path | Predictors, threshold: floa
 
 def apply_predictors(model: Model, predictors: str | Path | Predictors, threshold: float | None = None) -> Model:
     """Predictor-gated sparse FFN: P = {i : fc2 relu(fc1 h) >= θ} with h the residual before the FFN norm."""
-    pred, theta = resolve_predictors(model.config, predictors, threshold)
-    model.predictors, model.predictor_threshold = pred, theta
+    sel = model.selector = Selector(model.config.d_ffn, *resolve_predictors(model.config, predictors, threshold))
 
     def choose(l, h, x, wg, wu):
-        return predicted_set(predictor_logits(h[None, :], pred.fc1[l], pred.fc2[l])[0], theta)
+        return sel.pick(l, predictor_logits(h[None, :], sel.fc1[l], sel.fc2[l])[0])
 
     model.ffn_block = SparseFFN(model, choose)
     return model
-

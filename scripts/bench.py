@@ -1,4 +1,4 @@
-"""Decode benchmark (DESIGN section 5): a synthetic model of a real shape, dense vs predictor-sparse, against the
+"""Decode benchmark: a synthetic model of a real shape, dense vs predictor-sparse, against the
 machine's read bandwidth measured in the same run. Prints a llama-bench-like table.
 
 Shared machines are noisy (the bandwidth a token gets moves within a second), so the measurements are interleaved
@@ -13,10 +13,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from fast.bench import (SHAPES, ReadProbe, SyntheticSelect, bracketed_decode, bytes_per_token, overhead_per_token,
-                        predictor_size, random_engine, shape_config, synthetic_predictors)
-from fast.engine import DenseSelect
-from ref.cli import user_errors
+from fast.bench import (ReadProbe, SyntheticSelector, bracketed_decode, bytes_per_token, overhead_per_token,
+                        predictor_size, random_engine, synthetic_predictors)
+from fast.engine import Selector
+from ref.common.cli import user_errors
+from ref.common.config import SHAPES, shape_config
 
 
 @click.command()
@@ -39,26 +40,26 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
     engine = random_engine(cfg, threads)
     R = predictor_size(cfg)
     pred = synthetic_predictors(cfg, R)
-    selects = {"dense": DenseSelect(cfg.d_ffn), "sparse": SyntheticSelect(pred, cfg, sparsity)}
+    selectors = {"dense": Selector(cfg.d_ffn), "sparse": SyntheticSelector(pred, cfg, sparsity)}
     probe = ReadProbe(probe_gib)
-    rounds = [bracketed_decode(engine, selects, probe, tokens, r) for r in range(runs + 1)][1:]  # round 0 compiles
-    nbytes = {"dense": bytes_per_token(engine, cfg.d_ffn),
-              "sparse": bytes_per_token(engine, selects["sparse"].mean_active(), selects["sparse"])}
-    seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in selects}  # every token
-    around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in selects}  # its probe passes, GB/s
-    tok_s = {name: [tokens / sum(r[name]["seconds"]) for r in rounds] for name in selects}  # per round
+    rounds = [bracketed_decode(engine, selectors, probe, tokens, r) for r in range(runs + 1)][1:]  # round 0 compiles
+    nbytes = {"dense": bytes_per_token(engine, cfg.d_ffn, selectors["dense"]),
+              "sparse": bytes_per_token(engine, selectors["sparse"].mean_active(), selectors["sparse"])}
+    seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in selectors}  # every token
+    around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in selectors}  # its probe passes, GB/s
+    tok_s = {name: [tokens / sum(r[name]["seconds"]) for r in rounds] for name in selectors}  # per round
     results = {name: {"tok_s": float(np.median(tok_s[name])), "runs": tok_s[name], "bytes_per_token": nbytes[name],
                       "roofline": float(np.median(nbytes[name] / seconds[name] / (around[name] * 1e9)))}
-               for name in selects}
+               for name in selectors}
     probes = np.concatenate([r["probes"] for r in rounds])
     steps = seconds["dense"] / seconds["sparse"]  # step-by-step token-time ratios
     by_bus = np.argsort((around["dense"] + around["sparse"]) / 2)  # steps by the speed of their probe passes
-    halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both it
+    halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both halves
     overhead = overhead_per_token(cfg, engine.threads)
     out = {"shape": shape, "layers": cfg.n_layers, "threads": engine.threads, "sparsity": sparsity,
-           "predictor_hidden": R, "mean_active": selects["sparse"].mean_active(),
+           "predictor_hidden": R, "mean_active": selectors["sparse"].mean_active(),
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
-           "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in selects}}
+           "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in selectors}}
                       for i, r in enumerate(rounds)],
            "ratio_sparse_dense": float(np.median(steps)),
            "ratio_by_bus": {half: float(np.median(steps[pick])) for half, pick in halves.items()},

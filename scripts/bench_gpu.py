@@ -11,14 +11,14 @@ import numpy as np
 from numba import cuda
 
 from fast import gpu
-from fast.bench import (SHAPES, SyntheticSelect, predictor_size, random_engine, shape_config, synthetic_predictors,
-                        time_decode)
-from fast.engine import DenseSelect
+from fast.bench import SyntheticSelector, predictor_size, random_engine, synthetic_predictors, time_decode
+from fast.engine import Selector
 from fast.hybrid import to_hybrid
-from placement.synthetic import synthetic_counts
-from placement.budget import HARDWARE, plan_budget
+from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
-from ref.errors import UserError
+from placement.synthetic import synthetic_counts
+from ref.common.config import SHAPES, shape_config
+from ref.common.errors import UserError
 
 F32 = np.float32
 
@@ -39,17 +39,17 @@ def timed(fn, repeats: int = 3) -> float:
 def kernel_bandwidths(D: int, F: int, sparsity: float) -> dict:
     """GB/s of the bandwidth-bound kernels (bytes they must read / time) and of a device-to-device copy."""
     rng = np.random.default_rng(0)
-    w3 = cuda.to_device(rng.random((F, 3, D), dtype=F32))
+    bundle = cuda.to_device(rng.random((F, 3, D), dtype=F32))
     wd = cuda.to_device(rng.random((F, D), dtype=F32))
     x = cuda.to_device(rng.random((1, D), dtype=F32))
     out_f, out_d = cuda.device_array((1, F), F32), cuda.device_array(D, F32)
     n = int((1 - sparsity) * F)
     active = cuda.to_device(np.sort(rng.choice(F, n, replace=False)).astype(np.int32))
-    copy_dst = cuda.device_array_like(w3)
-    res = {"copy": 2 * w3.nbytes / timed(lambda: copy_dst.copy_to_device(w3)) / 1e9}  # read + write
+    copy_dst = cuda.device_array_like(bundle)
+    res = {"copy": 2 * bundle.nbytes / timed(lambda: copy_dst.copy_to_device(bundle)) / 1e9}  # read + write
     res["matmul"] = wd.nbytes / timed(lambda: gpu.matmul(out_f, x, wd)) / 1e9
-    res["sparse_ffn"] = n * 3 * D * 4 / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], w3, active, n, 0, F32(0))) / 1e9
-    res["dense_ffn"] = w3.nbytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], w3, cuda.to_device(
+    res["sparse_ffn"] = n * 3 * D * 4 / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, active, n, 0, F32(0))) / 1e9
+    res["dense_ffn"] = bundle.nbytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, cuda.to_device(
         np.arange(F, dtype=np.int32)), F, 0, F32(0))) / 1e9
     return res
 
@@ -68,24 +68,24 @@ def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
     kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity)
     base = random_engine(cfg, threads)
     pred = synthetic_predictors(cfg, predictor_size(cfg))
-    model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.w3.nbytes for L in base.layers) + base.lm_head.nbytes
+    model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.bundle.nbytes for L in base.layers) + base.lm_head.nbytes
     counts = synthetic_counts(cfg.n_layers, cfg.d_ffn, seed=0)
     hw = HARDWARE["h200"]
     rows = []
     for share in map(float, budgets.split(",")):
         budget = int(share * model_bytes)
-        base.select = DenseSelect(cfg.d_ffn)
-        layers = to_hybrid(base, policy="layers", budget_bytes=budget)
+        base.selector = Selector(cfg.d_ffn)
+        layers = to_hybrid(base, *whole_layers(cfg, base.format, cfg.max_seq_len, budget))
         t_layers, layers_n = float(np.median(time_decode(layers, tokens, runs))), layers.n_gpu_layers
         del layers
         row = {"budget_share": share, "budget_gib": budget / 2**30, "gpu_layers": layers_n, "layers_tok_s": t_layers}
         try:
-            plan = plan_budget(cfg, "float32", cfg.max_seq_len, budget, [pred.n_params // cfg.n_layers] * cfg.n_layers)
+            plan = plan_budget(cfg, base.format, cfg.max_seq_len, budget, [pred.n_params // cfg.n_layers] * cfg.n_layers)
         except UserError:  # not even the scratch headroom and one attention fit: all on the CPU
-            plan = plan_budget(cfg, "float32", cfg.max_seq_len, 0)
+            plan = plan_budget(cfg, base.format, cfg.max_seq_len, 0)
         min_cpu = [hw.min_cpu_neurons(plan.neuron_bytes, cfg.d_model)] * cfg.n_layers
         placed = solve(counts, plan.neuron_bytes, plan.ffn_budget_bytes, min_cpu, time_limit=10)
-        base.select = SyntheticSelect(pred, cfg, sparsity)
+        base.selector = SyntheticSelector(pred, cfg, sparsity)
         hybrid = to_hybrid(base, placed.gpu_neurons, dense_on_gpu=[n for n, _ in plan.on_gpu])
         t_hybrid = float(np.median(time_decode(hybrid, tokens, runs)))
         row.update(gpu_attention=hybrid.n_gpu_layers, hybrid_tok_s=t_hybrid, speedup=t_hybrid / t_layers,

@@ -12,13 +12,12 @@ import click
 from placement.budget import HARDWARE
 from placement.solver import Groups, greedy, repair, solve
 from placement.synthetic import synthetic_counts
-from ref.errors import UserError
-
-SHAPES = {"llama-7b": (32, 11008, 4096), "llama-13b": (40, 13824, 5120), "llama-70b": (80, 28672, 8192)}
+from ref.common.config import shape_config
+from ref.common.errors import UserError
 
 
 @click.command()
-@click.option("--shapes", default=",".join(SHAPES), show_default=True)
+@click.option("--shapes", default="llama-7b,llama-13b,llama-70b", show_default=True)
 @click.option("--shares", default="0.25,0.5", show_default=True, help="FFN budget as shares of all FFN neurons.")
 @click.option("--group", default=64, show_default=True)
 @click.option("--time-limit", default=30.0, show_default=True)
@@ -30,7 +29,8 @@ def main(shapes, shares, group, time_limit, backends, json_file):
     rows = []
     click.echo(f"{'shape':10} | {'budget':>6} | {'backend':7} | {'groups':>6} | {'C_l':>4} | {'status':8} | {'seconds':>7} | {'gap':>8} | obj/greedy")
     for name in shapes.split(","):
-        L, F, D = SHAPES[name]
+        cfg = shape_config(name)
+        L, F, D = cfg.n_layers, cfg.d_ffn, cfg.d_model
         counts = synthetic_counts(L, F, seed=0)
         neuron_bytes = 3 * D * 2
         min_cpu = [hw.min_cpu_neurons(neuron_bytes, D)] * L

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import click
 
-from ref.cli import check_model_dir, resolve_corpus, user_errors
+from ref.common.cli import check_model_dir, resolve_corpus, user_errors
+from ref.common.tokenizer import load_tokenizer
 from ref.evaluate import measure_predictors, perplexity
-from ref.model import load_model
+from ref.model import Model
 from ref.profile import corpus_windows
 from ref.sparse import apply_oracle, apply_predictors
-from ref.tokenizer import load_tokenizer
 
 
 @click.command()
@@ -32,10 +32,9 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
     def windows():
         return corpus_windows(tok, corpus, window, max_tokens)
 
-    dense = load_model(model_dir)
-    ppl_dense, n = perplexity(dense, windows(), "dense")
-    ppl_oracle, _ = perplexity(apply_oracle(load_model(model_dir)), windows(), "oracle")
-    sparse = apply_predictors(load_model(model_dir), predictors, predictor_threshold)
+    ppl_dense, n = perplexity(Model.load(model_dir), windows(), "dense")
+    ppl_oracle, _ = perplexity(apply_oracle(Model.load(model_dir)), windows(), "oracle")
+    sparse = apply_predictors(Model.load(model_dir), predictors, predictor_threshold)
     ppl_pred, _ = perplexity(sparse, windows(), "predictor")
     layers = measure_predictors(sparse, windows())
 
@@ -49,10 +48,10 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
                    f"{r['fired_fraction']:5.1%} | {r['predicted_fraction'] / max(r['fired_fraction'], 1e-12):15.2f}")
     mean = lambda k: sum(r[k] for r in layers) / len(layers)  # noqa: E731
     click.echo(f" mean | {mean('recall'):6.3f} | {mean('precision'):9.3f} | {mean('predicted_fraction'):9.1%} | "
-               f"{mean('fired_fraction'):5.1%} | threshold {sparse.predictor_threshold}")
+               f"{mean('fired_fraction'):5.1%} | threshold {sparse.selector.threshold}")
     if json_file:
         out = {"tokens": n, "perplexity": {"dense": ppl_dense, "oracle": ppl_oracle, "predictor": ppl_pred},
-               "threshold": sparse.predictor_threshold, "layers": layers}
+               "threshold": sparse.selector.threshold, "layers": layers}
         json_file.write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from fast.bench import shape_config
-from ref.model import load_model
+from ref.common.config import shape_config
+from ref.common.names import expected_shapes, hf_name
+from ref.common.safetensors import write_safetensors
+from ref.model import Model
 from ref.profile import Reservoir, collect_samples, profile_activations
-from ref.weights import expected_shapes, hf_name
 
 
 def rss_anon_bytes() -> int:
@@ -38,28 +39,25 @@ class PeakMemory(threading.Thread):
             time.sleep(0.05)
 
 
+class Tiled:
+    """A [rows, cols] fp16 tensor whose values repeat one random block: what the writer reads, never all in memory."""
+
+    def __init__(self, block: np.ndarray, shape: tuple[int, ...]):
+        self.block, self.shape, self.dtype = block, shape, block.dtype
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        cols = int(np.prod(self.shape[1:], dtype=np.int64))
+        start, stop, _ = rows.indices(self.shape[0])
+        return self.block[np.arange(start * cols, stop * cols) % self.block.size].reshape((stop - start, *self.shape[1:]))
+
+
 def write_random_fp16(folder: Path, cfg_dict: dict, cfg) -> None:
     """A random fp16 checkpoint in HF layout, streamed tensor by tensor (one 64 MiB random block, tiled)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg_dict))
-    rng = np.random.default_rng(0)
-    block = (rng.standard_normal(1 << 25) * 0.02).astype(np.float16)
-    header, offset = {}, 0
-    shapes = {hf_name(n): s for n, s in expected_shapes(cfg).items()}
-    for name, shape in shapes.items():
-        n = int(np.prod(shape)) * 2
-        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(folder / "model.safetensors", "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        for name, shape in shapes.items():
-            left = int(np.prod(shape))
-            while left:
-                k = min(left, block.size)
-                f.write(block[:k].tobytes())
-                left -= k
+    block = (np.random.default_rng(0).standard_normal(1 << 25) * 0.02).astype(np.float16)
+    tensors = {hf_name(cfg, n): Tiled(block, s) for n, s in expected_shapes(cfg).items()}
+    write_safetensors(folder / "model.safetensors", tensors)
 
 
 @click.command()
@@ -81,7 +79,7 @@ def main(shape, tokens, samples, window):
         base = rss_anon_bytes()
         watch = PeakMemory()
         watch.start()
-        model = load_model(tmp)
+        model = Model.load(tmp)
         rng = np.random.default_rng(0)
         windows = lambda: ((rng.integers(0, cfg.vocab_size, window), (i + 1) * window / tokens)  # noqa: E731
                            for i in range(tokens // window))

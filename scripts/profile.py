@@ -4,10 +4,11 @@ from pathlib import Path
 
 import click
 
-from ref.cli import check_model_dir, resolve_corpus, user_errors
-from ref.model import load_model
-from ref.profile import corpus_windows, firing_stats, profile_activations, save_activations
-from ref.tokenizer import load_tokenizer
+from ref.common.artifacts import save_activations
+from ref.common.cli import check_model_dir, resolve_corpus, user_errors
+from ref.common.tokenizer import load_tokenizer
+from ref.model import Model
+from ref.profile import corpus_windows, firing_stats, profile_activations
 
 
 def print_table(stats: list[dict]) -> None:
@@ -48,7 +49,7 @@ def main(model_dir, corpus, max_tokens, window, output, plot_file):
     """Count, per layer, the tokens on which each FFN neuron fires."""
     check_model_dir(model_dir)
     corpus = resolve_corpus(corpus, "train.txt")
-    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    model, tok = Model.load(model_dir), load_tokenizer(model_dir)
     if not 2 <= window <= model.config.max_seq_len:
         raise click.UsageError(f"--window must be in [2, {model.config.max_seq_len}]")
     counts, tokens = profile_activations(model, corpus_windows(tok, corpus, window, max_tokens), max_tokens)

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import click
 
-from ref.cli import check_model_dir, resolve_corpus, user_errors
-from ref.model import load_model
-from ref.predictor import LADDER, TrainSettings, save_predictors, train_all
+from ref.common.cli import check_model_dir, resolve_corpus, user_errors
+from ref.common.tokenizer import load_tokenizer
+from ref.model import Model
+from ref.predictor import LADDER, TrainSettings, train_all
 from ref.profile import Reservoir, collect_samples, corpus_windows
-from ref.tokenizer import load_tokenizer
 
 
 @click.command()
@@ -35,7 +35,7 @@ def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_r
     if not 0 < budget <= 1:
         raise click.UsageError("--budget must be in (0, 1]")
     corpus = resolve_corpus(corpus, "train.txt")
-    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    model, tok = Model.load(model_dir), load_tokenizer(model_dir)
     c = model.config
     per = Reservoir.bytes_per_sample(c.n_layers, c.d_model, c.d_ffn)
     capacity = max(1, min(samples, int(sample_memory * 2**30) // per))
@@ -45,7 +45,7 @@ def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_r
                              seed=seed, ladder=tuple(r for r in LADDER if r <= max_hidden))
     pred, reports = train_all(res, c.n_params, settings)
     output = output or model_dir / "predictors.safetensors"
-    save_predictors(output, pred)
+    pred.save(output)
     click.echo(f"threshold {pred.threshold}; held-out tokens per layer: {int(len(res.layer(0)[0]) * settings.held_out):,}")
     click.echo("layer | hidden | recall | precision | predicted | fired | tried (hidden, recall)")
     for r in reports:

@@ -1,12 +1,13 @@
 import os
 
-# GPU kernels run under numba's CUDA simulator unless a CUDA device is present; this must precede any numba import.
-if not os.path.exists("/dev/nvidiactl"):
+from tests.helpers import HAS_GPU, SHIPPED
+
+# GPU kernels run under numba's CUDA simulator unless a CUDA device is present; this must precede any numba import
+# (tests.helpers imports only numpy and ref.common, which leave numba alone).
+if not HAS_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import pytest
-
-from tests.helpers import SHIPPED
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,16 @@
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
+from ref.common.safetensors import write_safetensors
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "data" / "tiny-relu-llama"
+HAS_GPU = os.path.exists("/dev/nvidiactl")  # decided before numba is imported (tests/conftest.py)
 
 SMALL_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "relu",
@@ -63,25 +67,6 @@ def random_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return t
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "F16") -> None:
-    """Write a safetensors file by hand (the numpy binding cannot write bf16)."""
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if dtype == "BF16":
-            bits = arr.view(np.uint32)
-            blob = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()  # round to nearest even
-        else:
-            blob = arr.astype({"F16": np.float16, "F32": np.float32}[dtype]).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
-
-
 def write_model(folder: Path, overrides: dict | None = None, dtype: str = "F16", shards: int = 1, seed: int = 0,
                 tensors: dict | None = None) -> Path:
     """A random model folder in HF layout (config.json plus one file or `shards` shards with an index)."""
@@ -90,14 +75,14 @@ def write_model(folder: Path, overrides: dict | None = None, dtype: str = "F16",
     (folder / "config.json").write_text(json.dumps(cfg))
     tensors = random_tensors(cfg, seed) if tensors is None else tensors
     if shards == 1:
-        write_safetensors(folder / "model.safetensors", tensors, dtype)
+        write_safetensors(folder / "model.safetensors", tensors, dtype=dtype)
         return folder
     names = list(tensors)
     weight_map = {}
     for s in range(shards):
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[s::shards]}
-        write_safetensors(folder / fname, part, dtype)
+        write_safetensors(folder / fname, part, dtype=dtype)
         weight_map.update({n: fname for n in part})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder

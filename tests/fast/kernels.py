@@ -1,10 +1,12 @@
 """Each fast kernel beside its ref twin: fresh random inputs -> (run the fast kernel from a module, ref's answer).
 
-One table serves the CPU kernels now and the GPU kernels, which mirror the same names and signatures.
+One table (SHAPES) serves the CPU kernels and the GPU kernels, which mirror the same names and signatures; its
+`sim` entries are small enough for the CUDA simulator, and a device runs them all (scripts/device_check.sh).
 """
 
 import numpy as np
 
+from fast.cpu import KINDS
 from ref.model import attention as ref_attention
 from ref.model import rmsnorm as ref_rmsnorm
 from ref.model import rope as ref_rope
@@ -33,7 +35,7 @@ def case_matmul(rng, T, N, K):
 def rope_tables_for(E, theta=500.0):
     """fast.engine's cos, sin tables [P, E/2] for head dim E."""
     from fast.engine import rope_tables
-    from ref.config import ModelConfig
+    from ref.common.config import ModelConfig
     from tests.helpers import SMALL_CONFIG
     return rope_tables(ModelConfig.from_dict({**SMALL_CONFIG, "hidden_size": 2 * E, "num_attention_heads": 2,
                                               "num_key_value_heads": 2, "rope_theta": theta}))
@@ -51,7 +53,7 @@ def case_attention(rng, T, S, H, K, E):
     pos0 = S - T
     out, scores = np.empty_like(q), np.empty((T * H, S), F32)
     return (lambda k: (k.attention(out, q, kc, vc, pos0, scores), out)[1],
-            ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos0))
+            ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.arange(pos0, S)))
 
 
 def case_attention_block(rng, T, S, H, K, E, D):
@@ -66,30 +68,27 @@ def case_attention_block(rng, T, S, H, K, E, D):
     pos = np.arange(pos0, S)
     q, k = ref_rope(q.reshape(T, H, E), pos, 500.0), ref_rope(k.reshape(T, K, E), pos, 500.0)
     keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
-    want = ref_attention(q, keys, values, pos0).reshape(T, H * E) @ f64(wo).T  # [T, D]
+    want = ref_attention(q, keys, values, pos).reshape(T, H * E) @ f64(wo).T  # [T, D]
     out = np.empty((T, D), F32)
     return lambda k: (k.attention_block(out, h, w, wqkv, wo, kc.copy(), vc.copy(), cos, sin, pos0, 1e-5), out)[1], want
 
 
-KIND_IDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
-
-
 def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3):
-    x, w3 = randn(rng, D), randn(rng, F, 3, D, scale=0.5)
+    x, bundle = randn(rng, D), randn(rng, F, 3, D, scale=0.5)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
-    want = ref_sparse_ffn(x.astype(np.float64), w3[:, 0], w3[:, 1], np.ascontiguousarray(w3[:, 2].T), active, kind, 0.1,
+    want = ref_sparse_ffn(x.astype(np.float64), bundle[:, 0], bundle[:, 1], np.ascontiguousarray(bundle[:, 2].T), active, kind, 0.1,
                           np.float64)
-    return lambda k: (k.sparse_ffn(out, acc, x, w3, active, n_active, KIND_IDS[kind], F32(0.1)), out)[1], want
+    return lambda k: (k.sparse_ffn(out, acc, x, bundle, active, n_active, KINDS[kind], F32(0.1)), out)[1], want
 
 
 def case_ffn_block(rng, F, D, n_active, kind, chunks=3):
-    h, w, w3 = randn(rng, D, scale=3), randn(rng, D), randn(rng, F, 3, D, scale=0.5)
+    h, w, bundle = randn(rng, D, scale=3), randn(rng, D), randn(rng, F, 3, D, scale=0.5)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
     x = ref_rmsnorm(h[None].astype(np.float64), w.astype(np.float64), 1e-5)[0]
-    want = ref_sparse_ffn(x, w3[:, 0], w3[:, 1], np.ascontiguousarray(w3[:, 2].T), active, kind, 0.1, np.float64)
-    return (lambda k: (k.ffn_block(out, acc, h, w, w3, active, n_active, KIND_IDS[kind], F32(0.1), 1e-5), out)[1],
+    want = ref_sparse_ffn(x, bundle[:, 0], bundle[:, 1], np.ascontiguousarray(bundle[:, 2].T), active, kind, 0.1, np.float64)
+    return (lambda k: (k.ffn_block(out, acc, h, w, bundle, active, n_active, KINDS[kind], F32(0.1), 1e-5), out)[1],
             want)
 
 
@@ -113,27 +112,55 @@ CASES = {
     "attention_block": case_attention_block, "ffn_block": case_ffn_block,
 }
 
-# (kernel, shape): tails (sizes off every block), single tokens, GQA and MHA, empty and full active sets.
+# (kernel, shape, sim): tails (sizes off every block), single tokens, GQA, MHA and MQA, empty and full active sets.
+# The CUDA simulator runs every thread as a Python thread: its entries (sim) keep to few blocks, still with tails
+# off every block of the shrunk launches (tests/fast/conftest.py), several blocks per launch and reduction steps.
 SHAPES = [
-    ("rmsnorm", dict(T=1, D=7)), ("rmsnorm", dict(T=5, D=100)),
-    ("matmul", dict(T=1, N=33, K=17)), ("matmul", dict(T=4, N=100, K=65)), ("matmul", dict(T=3, N=1, K=5)),
-    ("matmul", dict(T=2, N=301, K=9)),  # >= 4 rows per chunk: the four-stream path
-    ("rope", dict(T=1, h=3, E=8, pos0=11)), ("rope", dict(T=6, h=2, E=16, pos0=0)),
-    ("attention", dict(T=1, S=9, H=4, K=2, E=8)), ("attention", dict(T=5, S=5, H=6, K=3, E=16)),
-    ("attention", dict(T=3, S=10, H=4, K=4, E=8)), ("attention", dict(T=1, S=1, H=8, K=1, E=4)),
-    ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu")), ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="relu")),
-    ("sparse_ffn", dict(F=100, D=33, n_active=1, kind="relu")), ("sparse_ffn", dict(F=100, D=33, n_active=37, kind="fatrelu")),
-    ("sparse_ffn", dict(F=64, D=16, n_active=50, kind="drelu")), ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="silu")),
-    ("sparse_ffn", dict(F=9, D=5, n_active=2, kind="relu", chunks=7)),
-    ("predictor", dict(D=19, R=5, F=77)), ("predictor", dict(D=64, R=16, F=100)),
-    ("predictor", dict(D=8, R=1, F=9)), ("predictor", dict(D=9, R=40, F=300)),
-    ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=10, threshold=-5.0)),
-    ("predicted_set", dict(F=10, threshold=5.0)),
-    ("attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19)), ("attention_block", dict(T=4, S=4, H=2, K=2, E=4, D=7)),
-    ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33)),
-    ("ffn_block", dict(F=50, D=19, n_active=13, kind="relu")), ("ffn_block", dict(F=20, D=8, n_active=20, kind="silu")),
-    ("ffn_block", dict(F=9, D=5, n_active=0, kind="relu")),
+    ("rmsnorm", dict(T=1, D=7), False), ("rmsnorm", dict(T=5, D=100), False),
+    ("rmsnorm", dict(T=2, D=19), True), ("rmsnorm", dict(T=1, D=5), True),
+    ("matmul", dict(T=1, N=33, K=17), False), ("matmul", dict(T=4, N=100, K=65), False),
+    ("matmul", dict(T=3, N=1, K=5), False),
+    ("matmul", dict(T=2, N=301, K=9), False),  # >= 4 rows per chunk: the four-stream path
+    ("matmul", dict(T=1, N=9, K=19), True), ("matmul", dict(T=2, N=5, K=3), True),
+    ("rope", dict(T=1, h=3, E=8, pos0=11), False), ("rope", dict(T=6, h=2, E=16, pos0=0), False),
+    ("rope", dict(T=2, h=2, E=8, pos0=5), True),
+    ("attention", dict(T=1, S=9, H=4, K=2, E=8), False), ("attention", dict(T=5, S=5, H=6, K=3, E=16), False),
+    ("attention", dict(T=3, S=10, H=4, K=4, E=8), False), ("attention", dict(T=1, S=1, H=8, K=1, E=4), False),
+    ("attention", dict(T=1, S=11, H=4, K=2, E=4), True), ("attention", dict(T=3, S=3, H=2, K=2, E=8), True),
+    ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu"), False),
+    ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="relu"), False),
+    ("sparse_ffn", dict(F=100, D=33, n_active=1, kind="relu"), False),
+    ("sparse_ffn", dict(F=100, D=33, n_active=37, kind="fatrelu"), False),
+    ("sparse_ffn", dict(F=64, D=16, n_active=50, kind="drelu"), False),
+    ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="silu"), False),
+    ("sparse_ffn", dict(F=9, D=5, n_active=2, kind="relu", chunks=7), False),
+    ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu"), True),
+    ("sparse_ffn", dict(F=12, D=19, n_active=12, kind="relu"), True),
+    ("sparse_ffn", dict(F=30, D=9, n_active=7, kind="fatrelu"), True),
+    ("sparse_ffn", dict(F=16, D=9, n_active=5, kind="drelu"), True), ("sparse_ffn", dict(F=6, D=9, n_active=6, kind="silu"), True),
+    ("predictor", dict(D=19, R=5, F=77), False), ("predictor", dict(D=64, R=16, F=100), False),
+    ("predictor", dict(D=8, R=1, F=9), False), ("predictor", dict(D=9, R=40, F=300), False),
+    ("predictor", dict(D=19, R=5, F=11), True), ("predictor", dict(D=5, R=12, F=7), True),
+    ("predicted_set", dict(F=77, threshold=0.0), False), ("predicted_set", dict(F=10, threshold=-5.0), False),
+    ("predicted_set", dict(F=10, threshold=5.0), False),
+    ("attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
+    ("attention_block", dict(T=4, S=4, H=2, K=2, E=4, D=7), False),
+    ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33), False),
+    ("attention_block", dict(T=1, S=6, H=2, K=1, E=4, D=9), True),
+    ("attention_block", dict(T=3, S=3, H=2, K=2, E=4, D=5), True),
+    ("ffn_block", dict(F=50, D=19, n_active=13, kind="relu"), False),
+    ("ffn_block", dict(F=20, D=8, n_active=20, kind="silu"), False),
+    ("ffn_block", dict(F=9, D=5, n_active=0, kind="relu"), False),
+    ("ffn_block", dict(F=12, D=9, n_active=5, kind="relu"), True), ("ffn_block", dict(F=6, D=5, n_active=0, kind="relu"), True),
 ]
+# Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
+# share included, so fast.gpu has no predicted_set.
+CPU_ONLY = {"predicted_set"}
+DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES if n not in CPU_ONLY]  # what fast.gpu runs
+
+
+def case_id(name, shape, sim=False):
+    return f"{name}-{'-'.join(map(str, shape.values()))}"
 
 
 def check_kernel(module, name, shape, rtol=1e-5, seed=None):
@@ -142,20 +169,4 @@ def check_kernel(module, name, shape, rtol=1e-5, seed=None):
     rng = np.random.default_rng(seed)
     run, want = CASES[name](rng, **shape)
     got = run(module)
-    assert got.dtype in (np.float32, np.float64)
     assert_close(got, want, rtol=rtol, atol=1e-6, name=f"{module.__name__}.{name}{shape}")
-
-# The CUDA simulator runs every thread as a Python thread: fewer blocks, still tails (sizes off every block of 8
-# threads), several blocks per launch, empty and full active sets, GQA and MHA.
-SIM_SHAPES = [
-    ("rmsnorm", dict(T=2, D=19)), ("rmsnorm", dict(T=1, D=5)),
-    ("matmul", dict(T=1, N=9, K=19)), ("matmul", dict(T=2, N=5, K=3)),
-    ("rope", dict(T=2, h=2, E=8, pos0=5)),
-    ("attention", dict(T=1, S=11, H=4, K=2, E=4)), ("attention", dict(T=3, S=3, H=2, K=2, E=8)),
-    ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")), ("sparse_ffn", dict(F=12, D=19, n_active=12, kind="relu")),
-    ("sparse_ffn", dict(F=30, D=9, n_active=7, kind="fatrelu")), ("sparse_ffn", dict(F=16, D=9, n_active=5, kind="drelu")),
-    ("sparse_ffn", dict(F=6, D=9, n_active=6, kind="silu")),
-    ("predictor", dict(D=19, R=5, F=11)), ("predictor", dict(D=5, R=12, F=7)),
-    ("predicted_set", dict(F=77, threshold=0.0)), ("predicted_set", dict(F=5, threshold=-5.0)),
-    ("predicted_set", dict(F=10, threshold=5.0)),
-]

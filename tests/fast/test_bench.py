@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fast.bench import SyntheticSelect, shape_config, synthetic_predictors
+from fast.bench import SyntheticSelector, synthetic_predictors
+from ref.common.config import shape_config
 from tests.helpers import load_script
 
 
@@ -30,7 +31,7 @@ def test_bench_bad_options(args, message):
 @pytest.mark.parametrize("sparsity", [0.5, 0.9])
 def test_synthetic_sets_have_the_asked_size(sparsity):
     cfg = shape_config("tiny")
-    select = SyntheticSelect(synthetic_predictors(cfg, 256), cfg, sparsity)
-    assert abs(select.mean_active() / cfg.d_ffn - (1 - sparsity)) < 0.02
-    s, n = select(0, np.ones(cfg.d_model, np.float32))
-    assert np.all(np.diff(s) > 0) and s.dtype == np.int32 and n == len(s)
+    selector = SyntheticSelector(synthetic_predictors(cfg, 256), cfg, sparsity)
+    assert abs(selector.mean_active() / cfg.d_ffn - (1 - sparsity)) < 0.02
+    s = selector.pick(0, np.ones(cfg.d_ffn, np.float32))
+    assert np.all(np.diff(s) > 0) and s.dtype == np.int32 and len(s) < cfg.d_ffn

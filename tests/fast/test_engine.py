@@ -3,9 +3,10 @@ import pytest
 
 import fast
 import ref
-from ref.errors import UserError
-from ref.predictor import save_predictors
-from ref.sparse import Predictors
+from fast import Engine, apply_predictors
+from ref.common.artifacts import Predictors
+from ref.common.batch import Batch
+from ref.common.errors import UserError
 from tests.helpers import SHIPPED, assert_close, write_model
 
 PROMPTS = ["once upon a time, there was a little girl named lily.", "the dog ran to the park and"]
@@ -25,8 +26,12 @@ def small(tmp_path_factory):
     pred = Predictors([rng.standard_normal((8, cfg.d_model)).astype(np.float32) for _ in range(cfg.n_layers)],
                       [rng.standard_normal((cfg.d_ffn, 8)).astype(np.float32) for _ in range(cfg.n_layers)],
                       0.0, {"threshold": "0.0"})
-    save_predictors(d / "predictors.safetensors", pred)
+    pred.save(d / "predictors.safetensors")
     return d
+
+
+def sparse_engine(d):
+    return apply_predictors(Engine.load(d), d / "predictors.safetensors")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -39,7 +44,7 @@ def test_shipped_dense_logits_match_ref(shipped_engine, shipped_model, shipped_t
 
 def test_shipped_sparse_logits_match_ref(shipped_tokenizer):
     pred = SHIPPED / "predictors.safetensors"
-    e, m = fast.Engine.load(SHIPPED, predictors=pred), ref.load_model(SHIPPED, predictors=pred)
+    e, m = apply_predictors(Engine.load(SHIPPED), pred), ref.load_model(SHIPPED, predictors=pred)
     ids = shipped_tokenizer.encode(PROMPTS[0])
     got, want = e.logits(ids), m.logits(ids)
     for t in range(len(ids)):
@@ -52,30 +57,32 @@ def test_shipped_greedy_32_tokens_match(shipped_engine, shipped_model, shipped_t
 
 
 def test_small_sparse_matches_ref_and_is_sparse(small):
-    e = fast.Engine.load(small, predictors=small / "predictors.safetensors")
+    e = sparse_engine(small)
     m = ref.load_model(small, predictors=small / "predictors.safetensors")
     ids = np.array([1, 4, 9, 16, 25, 36, 49])
     assert_close(e.logits(ids), m.logits(ids), rtol=1e-4)
-    dense = fast.Engine.load(small)
+    dense = Engine.load(small)
     assert not np.allclose(dense.logits(ids), e.logits(ids), rtol=1e-3)
 
 
 def test_same_seed_same_sample_in_both_engines(small):
-    e, m = fast.Engine.load(small), ref.load_model(small)
+    e, m = Engine.load(small), ref.load_model(small)
     kw = dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=11)
     assert e.generate([1, 2, 3], 20, **kw) == ref.generate(m, [1, 2, 3], 20, **kw)
 
 
 def test_incremental_decode_matches_whole(small):
-    e = fast.Engine.load(small, predictors=small / "predictors.safetensors")
+    e = sparse_engine(small)
     ids = np.array([1, 3, 5, 7, 9, 11])
     cache = e.new_cache(6)
-    parts = np.concatenate([e.forward(ids[:2], cache)] + [e.forward(ids[t:t + 1], cache) for t in range(2, 6)])
-    assert_close(parts, e.logits(ids), rtol=1e-5)
+    parts = [e.forward(Batch.single(ids[:2], cache), cache)]
+    parts += [e.forward(Batch.single(ids[t:t + 1], cache), cache) for t in range(2, 6)]
+    assert cache.lengths.tolist() == [6]
+    assert_close(np.concatenate(parts), e.logits(ids), rtol=1e-5)
 
 
 def test_repeated_runs_bit_identical(small):
-    e = fast.Engine.load(small, predictors=small / "predictors.safetensors")
+    e = sparse_engine(small)
     ids = np.arange(1, 40) % 50
     first = e.logits(ids)
     for _ in range(3):
@@ -85,19 +92,44 @@ def test_repeated_runs_bit_identical(small):
 def test_tied_and_odd_ffn(tmp_path):
     d = write_model(tmp_path, {"tie_word_embeddings": True, "intermediate_size": 37})
     ids = np.array([1, 2, 3])
-    assert_close(fast.Engine.load(d).logits(ids), ref.load_model(d).logits(ids), rtol=1e-4)
+    assert_close(Engine.load(d).logits(ids), ref.load_model(d).logits(ids), rtol=1e-4)
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(threads=0), "-t/--threads must be in"),
     (dict(device="tpu"), "--device must be one of"),
+    (dict(policy="rows"), "--policy must be one of"),
 ])
 def test_bad_engine_options(small, kw, message):
     with pytest.raises(UserError, match=message):
-        fast.Engine.load(small, **kw)
+        fast.load_engine(small, **kw)
 
 
 def test_predictors_of_another_model(small, tmp_path):
     other = write_model(tmp_path / "o", {"intermediate_size": 64})
     with pytest.raises(UserError, match="predictors.safetensors: layer 0 predictor has fc1"):
-        fast.Engine.load(other, predictors=small / "predictors.safetensors")
+        fast.load_engine(other, predictors=small / "predictors.safetensors")
+
+
+def test_facade_composes_the_transforms(small):
+    """load_engine = Engine.load, then apply_predictors, then the warm-up: the same logits, kernels compiled."""
+    ids = np.array([1, 2, 3, 4])
+    e = fast.load_engine(small, predictors=small / "predictors.safetensors", predictor_threshold=0.5)
+    assert e.selector.threshold == np.float32(0.5) and e.compile_seconds > 0
+    want = apply_predictors(Engine.load(small), small / "predictors.safetensors", 0.5).logits(ids)
+    np.testing.assert_array_equal(e.logits(ids), want)
+
+
+@pytest.mark.parametrize("batch, message", [
+    (Batch(np.array([1, 2]), np.array([0, 1]), np.array([0, 0])), "one sequence's cached positions"),
+    (Batch(np.array([1]), np.array([0]), np.array([3])), "one sequence's cached positions"),
+    (Batch(np.array([1]), np.array([2]), np.array([0])), "sequence 2 has no cache slot"),
+    (Batch(np.array([60]), np.array([0]), np.array([0])), "token id out of range"),
+])
+def test_bad_batches(small, batch, message):
+    """Today a batch continues one sequence's cached positions; anything else is refused, the cache untouched."""
+    for engine in (Engine.load(small), ref.load_model(small)):
+        cache = engine.new_cache(4)
+        with pytest.raises(UserError, match=message):
+            engine.forward(batch, cache)
+        assert cache.lengths.tolist() == [0] and not np.any(cache.k[0])

@@ -1,25 +1,18 @@
-"""GPU kernels against their ref twins: under the CUDA simulator in CI (launch constants shrunk so several blocks
-and several reduction steps run), with the full shape table on a device (scripts/device_check.sh)."""
+"""GPU kernels against their ref twins: under the CUDA simulator in CI (the table's `sim` entries, launch constants
+shrunk so several blocks and several reduction steps run), the whole table on a device (scripts/device_check.sh)."""
 
 import os
 
 import pytest
 
 from fast import gpu
-from tests.fast.kernels import SHAPES, SIM_SHAPES, check_kernel
+from tests.fast.kernels import DEVICE_SHAPES, case_id, check_kernel
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-CASES = SIM_SHAPES if SIMULATED else SHAPES
+CASES = [c for c in DEVICE_SHAPES if c[2] or not SIMULATED]
+pytestmark = pytest.mark.usefixtures("small_launches")
 
 
-@pytest.fixture(autouse=True)
-def small_launches(monkeypatch):
-    if SIMULATED:
-        monkeypatch.setattr(gpu, "THREADS", 8)
-        monkeypatch.setattr(gpu, "TILE", 8)
-        monkeypatch.setattr(gpu, "CHUNKS", 3)
-
-
-@pytest.mark.parametrize("name, shape", CASES, ids=[f"{n}-{'-'.join(map(str, s.values()))}" for n, s in CASES])
-def test_gpu_kernel(name, shape):
+@pytest.mark.parametrize("name, shape, sim", CASES, ids=[case_id(*c) for c in CASES])
+def test_gpu_kernel(name, shape, sim):
     check_kernel(gpu, name, shape)

@@ -1,30 +1,23 @@
 """The hybrid CPU-GPU engine against ref, under the CUDA simulator in CI (on the device in scripts/device_check.sh)."""
 
-import os
-
 import numpy as np
 import pytest
 
 import fast
 import ref
-from fast import gpu
+from fast import Engine, apply_predictors
 from fast.hybrid import to_hybrid
-from ref.errors import UserError
-from ref.predictor import save_predictors
-from ref.sparse import Predictors
+from placement.budget import whole_layers
+from ref.common.artifacts import Predictors
+from ref.common.batch import Batch
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS
 from tests.helpers import assert_close, write_model
 
 TINY = {"hidden_size": 8, "intermediate_size": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
         "vocab_size": 16, "max_position_embeddings": 16, "eos_token_id": 99}
 IDS = np.array([1, 5, 9])
-
-
-@pytest.fixture(autouse=True)
-def small_launches(monkeypatch):
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        monkeypatch.setattr(gpu, "THREADS", 4)
-        monkeypatch.setattr(gpu, "TILE", 4)
-        monkeypatch.setattr(gpu, "CHUNKS", 3)
+pytestmark = pytest.mark.usefixtures("small_launches")
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +27,13 @@ def tiny(tmp_path_factory):
     rng = np.random.default_rng(1)
     pred = Predictors([rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2)],
                       [rng.standard_normal((12, 4)).astype(np.float32) for _ in range(2)], 0.0, {"threshold": "0.0"})
-    save_predictors(d / "predictors.safetensors", pred)
+    pred.save(d / "predictors.safetensors")
     want = ref.load_model(d, predictors=d / "predictors.safetensors").logits(IDS)
     return d, cfg, want
 
 
 def cpu_engine(d):
-    return fast.Engine.load(d, predictors=d / "predictors.safetensors")
+    return apply_predictors(Engine.load(d), d / "predictors.safetensors")
 
 
 SPLITS = {"none": lambda rng: [np.empty(0, np.int32)] * 2, "all": lambda rng: [np.arange(12, dtype=np.int32)] * 2,
@@ -50,11 +43,18 @@ DENSE = {"all": None, "cpu attention": ["attention.0", "predictor.1", "output"],
 
 
 @pytest.mark.parametrize("split, dense", [("none", "all"), ("all", "all"), ("random", "cpu attention"),
-                                          ("random", "cpu predictors"), ("all", "none")])
+                                          ("random", "cpu predictors"), ("all", "none"), ("all", "cpu predictors")])
 def test_hybrid_logits_match_ref(tiny, split, dense):
     d, cfg, want = tiny
     hybrid = to_hybrid(cpu_engine(d), SPLITS[split](np.random.default_rng(7)), dense_on_gpu=DENSE[dense])
     assert_close(hybrid.logits(IDS), want, rtol=1e-4)
+
+
+def test_host_cache_only_where_attention_runs_on_the_cpu(tiny):
+    d, _, _ = tiny
+    hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
+    cache = hybrid.new_cache()
+    assert [isinstance(k, np.ndarray) for k in cache.k] == [False, True]
 
 
 def test_hybrid_decode_matches_ref(tiny):
@@ -62,26 +62,27 @@ def test_hybrid_decode_matches_ref(tiny):
     d, cfg, want = tiny
     hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
     cache = hybrid.new_cache()
-    got = np.concatenate([hybrid.forward(IDS[:2], cache), hybrid.forward(IDS[2:], cache)])
-    assert_close(got, want, rtol=1e-4)
+    got = [hybrid.forward(Batch.single(IDS[:2], cache), cache), hybrid.forward(Batch.single(IDS[2:], cache), cache)]
+    assert_close(np.concatenate(got), want, rtol=1e-4)
 
 
-def test_solver_split_through_engine_load_and_repeatable(tiny):
+def test_solver_split_through_the_facade_and_repeatable(tiny):
     d, cfg, want = tiny
-    from ref.profile import save_activations
+    from ref.common.artifacts import save_activations
     counts = np.random.default_rng(2).integers(0, 100, size=(2, 12))
     (d / "c.txt").write_text("x")
     save_activations(d / "activations.safetensors", counts, 100, d / "c.txt", d)
     from placement.budget import GiB, plan_budget
-    empty = plan_budget(cfg, "float32", cfg.max_seq_len, 10**9, [4 * 8 + 12 * 4] * 2)
+    empty = plan_budget(cfg, FORMATS["f32"], cfg.max_seq_len, 10**9, [4 * 8 + 12 * 4] * 2)
     budget = 10**9 - empty.ffn_budget_bytes + 18 * empty.neuron_bytes  # dense parts plus 18 of the 24 neurons
-    e = fast.Engine.load(d, device="hybrid", predictors=d / "predictors.safetensors", vram_budget=budget / GiB)
+    before = sorted(p.name for p in d.iterdir())
+    e = fast.load_engine(d, device="hybrid", predictors=d / "predictors.safetensors", vram_budget=budget / GiB)
     hot = [len(g) for g in e.gpu_neurons]
     assert sorted(hot) == [0, 12]  # C_l > F here: each layer is all GPU or all CPU, and one layer fits
     first = e.logits(IDS)
     assert_close(first, want, rtol=1e-4)
     np.testing.assert_array_equal(e.logits(IDS), first)
-    assert list(d.glob("placement.*.safetensors"))
+    assert sorted(p.name for p in d.iterdir()) == before  # the placement lives in memory: nothing written
 
 
 def test_layer_policy_matches_ref(tiny):
@@ -89,8 +90,8 @@ def test_layer_policy_matches_ref(tiny):
     base = cpu_engine(d)
     L0 = base.layers[0]
     kv = 2 * cfg.max_seq_len * cfg.n_kv_heads * cfg.head_dim * 4
-    one_layer = L0.attn_norm.nbytes + L0.wqkv.nbytes + L0.wo.nbytes + L0.ffn_norm.nbytes + L0.w3.nbytes + kv
-    e = to_hybrid(base, policy="layers", budget_bytes=one_layer + 10)
+    one_layer = L0.attn_norm.nbytes + L0.wqkv.nbytes + L0.wo.nbytes + L0.ffn_norm.nbytes + L0.bundle.nbytes + kv
+    e = to_hybrid(base, *whole_layers(cfg, base.format, cfg.max_seq_len, one_layer + 10))
     assert e.n_gpu_layers == 1
     assert_close(e.logits(IDS), want, rtol=1e-4)
 
@@ -102,13 +103,12 @@ def test_placement_of_another_model(tiny):
     with pytest.raises(UserError, match="unknown dense part 'attention.7'"):
         to_hybrid(cpu_engine(d), [np.array([3], np.int32)] * 2, dense_on_gpu=["attention.7"])
     with pytest.raises(UserError, match="larger than the GPU"):
-        fast.Engine.load(d, device="hybrid", vram_budget=10_000)
+        fast.load_engine(d, device="hybrid", vram_budget=10_000)
 
 
 def test_shipped_placement_loads():
     """The shipped placement names only dense parts the engine knows (solved by the README's command)."""
-    from fast.hybrid import dense_names
-    from placement.solver import load_placement
+    from ref.common.artifacts import dense_names, load_placement
     from tests.helpers import SHIPPED
     neurons, meta = load_placement(SHIPPED / "placement.safetensors", 6, 1024)
     assert set(meta["dense_on_gpu"]) <= set(dense_names(6)) and len(neurons) == 6

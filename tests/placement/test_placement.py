@@ -6,21 +6,22 @@ import sys
 import numpy as np
 import pytest
 
-from placement.budget import GiB, HARDWARE, load_hardware, plan_budget
-from placement.place import load_or_place, request
-from placement.solver import Groups, greedy, load_placement, save_placement, solve
-from ref.artifacts import atomic_save
-from ref.config import ModelConfig
-from ref.errors import UserError
+from placement.budget import GiB, HARDWARE, hardware_for, load_hardware, plan_budget, whole_layers
+from placement.place import place, request
+from placement.solver import Groups, greedy, solve
+from placement.synthetic import synthetic_counts
+from ref.common.artifacts import atomic_save, load_placement, save_placement
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS
 from tests.helpers import ROOT, SMALL_CONFIG
 
 CFG = ModelConfig.from_dict(SMALL_CONFIG)
+F16 = FORMATS["f16"]
 
 
-def power_law_counts(L, F, seed, tokens=10000):
-    rng = np.random.default_rng(seed)
-    return np.stack([rng.permutation((tokens / np.arange(1, F + 1) ** rng.uniform(0.6, 1.4)).astype(np.int64))
-                     for _ in range(L)])
+def power_law_counts(L, F, seed):
+    return synthetic_counts(L, F, seed, tokens=10000)
 
 
 def objective(counts, placed):
@@ -87,10 +88,10 @@ def test_solutions_respect_budget_and_constraint(seed):
 def test_budget_order_and_whole_parts():
     attn = 2 * 32 * 32 * 2 + 2 * 32 * 16 * 2 + 32 * 2 + 2 * 64 * 16 * 2  # fp16: wq, wo, wk, wv, norm, KV cache
     headroom = 4 * 512 * (50 + 200 + 256)
-    plan = plan_budget(CFG, "float16", 64, headroom + 2 * attn + 200)
+    plan = plan_budget(CFG, F16, 64, headroom + 2 * attn + 200)
     assert [n for n, _ in plan.on_gpu] == ["attention.0", "attention.1", "ffn_norms"]
     assert plan.ffn_budget_bytes == 200 - 2 * 32 * 2 and plan.neuron_bytes == 3 * 32 * 2  # output does not fit
-    big = plan_budget(CFG, "float16", 64, GiB, predictor_params=[100, 200])
+    big = plan_budget(CFG, F16, 64, GiB, predictor_params=[100, 200])
     assert [n for n, _ in big.on_gpu] == ["attention.0", "attention.1", "predictor.0", "predictor.1", "ffn_norms",
                                           "output"]
     assert big.ffn_budget_bytes == GiB - big.headroom_bytes - sum(b for _, b in big.on_gpu)
@@ -99,7 +100,7 @@ def test_budget_order_and_whole_parts():
 @pytest.mark.parametrize("gib, message", [(-1, "must be >= 0"), (1e-6, "too small: scratch headroom .* attention.0")])
 def test_bad_budgets(gib, message):
     with pytest.raises(UserError, match=message):
-        plan_budget(CFG, "float16", 64, int(gib * GiB))
+        plan_budget(CFG, F16, 64, int(gib * GiB))
 
 
 def test_hardware_profiles(tmp_path):
@@ -122,7 +123,7 @@ def test_hardware_profiles(tmp_path):
 def test_placement_file_round_trip_and_validation(tmp_path):
     counts = power_law_counts(12, 64, 0)
     p = solve(counts, 1, 300, [0] * 12, group=8)
-    save_placement(tmp_path / "p.safetensors", p, {"budget_bytes": 300})
+    save_placement(tmp_path / "p.safetensors", p.gpu_neurons, {"budget_bytes": 300, **p.report()})
     got, meta = load_placement(tmp_path / "p.safetensors", 12, 64)
     for a, b in zip(got, p.gpu_neurons):  # 12 layers: numeric, not string, order
         np.testing.assert_array_equal(a, b)
@@ -136,7 +137,7 @@ def test_placement_file_round_trip_and_validation(tmp_path):
 
 @pytest.fixture
 def model_and_acts(tmp_path):
-    from ref.profile import save_activations
+    from ref.common.artifacts import save_activations
     from tests.helpers import write_model
     d = write_model(tmp_path / "m")
     corpus = tmp_path / "c.txt"
@@ -145,23 +146,36 @@ def model_and_acts(tmp_path):
     return d, tmp_path / "a.safetensors"
 
 
-@pytest.mark.parametrize("change", ["budget", "hardware", "dtype", "activations"])
-def test_stale_placement_is_never_reused(model_and_acts, tmp_path, change):
+def test_placement_file_records_its_request(model_and_acts, tmp_path):
+    """What a placement was solved for travels with it: budget, hardware, format, activations hash, dense parts."""
     d, acts = model_and_acts
     cfg = ModelConfig.from_hf(d)
     hw = HARDWARE["rtx4090"]
-    req = request(cfg, acts, 0.01, hw, "float16", 64, 8, 0)
-    out = tmp_path / "p.safetensors"
-    _, _, reused = load_or_place(cfg, out, acts, req, hw)
-    assert not reused and load_or_place(cfg, out, acts, req, hw)[2]
-    if change == "activations":
-        from ref.profile import save_activations
-        save_activations(acts, power_law_counts(2, 100, 1), 10000, tmp_path / "c.txt", d)
-    hw2 = HARDWARE["h200"] if change == "hardware" else hw
-    req2 = request(cfg, acts, 0.02 if change == "budget" else 0.01, hw2, "float32" if change == "dtype" else "float16", 64, 8, 0)
-    neurons, meta, reused = load_or_place(cfg, out, acts, req2, hw2)
-    assert not reused and meta["budget_bytes"] == req2["budget_bytes"] and meta["hardware"] == hw2.name
-    assert meta["activations_sha256"] == req2["activations_sha256"] and meta["dtype"] == req2["dtype"]
+    req = request(cfg, acts, 0.01, hw, F16, 64, 8, 0)
+    p, plan, meta = place(cfg, acts, req, hw, [])
+    save_placement(tmp_path / "p.safetensors", p.gpu_neurons, meta)
+    neurons, got = load_placement(tmp_path / "p.safetensors", cfg.n_layers, cfg.d_ffn)
+    assert {k: got[k] for k in req} == req and got["format"] == "f16" and got["status"] == p.status
+    assert got["dense_on_gpu"] == [n for n, _ in plan.on_gpu] and [len(n) for n in neurons] == [len(n) for n in p.gpu_neurons]
+
+
+def test_whole_layers_is_llamacpp_layer_offload():
+    """-ngl: whole layers first to last, the output layer only when every layer fits too."""
+    parts = plan_budget(CFG, F16, 64, 0).on_cpu
+    per_layer = dict(parts)["attention.0"] + 32 * 2 + 100 * 3 * 32 * 2  # attention + KV cache, FFN norm, neurons
+    output = dict(parts)["output"]
+    for budget, n, out in [(per_layer - 1, 0, False), (per_layer, 1, False), (2 * per_layer + output - 1, 1, False),
+                           (2 * per_layer + output, 2, True)]:
+        neurons, dense = whole_layers(CFG, F16, 64, budget)
+        assert [len(g) for g in neurons] == [100] * n + [0] * (2 - n)
+        assert sum(x.startswith("attention.") for x in dense) == n and ("output" in dense) == out
+
+
+def test_device_hardware_by_name():
+    assert hardware_for("NVIDIA H200", 150 * GiB).name == "h200"
+    assert hardware_for("NVIDIA GeForce RTX 4090", 0).name == "rtx4090"
+    other = hardware_for("Tesla T4", 15 * GiB)
+    assert other.name == "device:Tesla T4" and other.vram_bytes == 15 * GiB
 
 
 def run_cli(*args):

@@ -2,15 +2,15 @@ import json
 
 import pytest
 
-from ref.config import ModelConfig
-from ref.errors import UserError
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
 from tests.helpers import SHIPPED, SMALL_CONFIG
 
 
 def test_shipped_config():
     c = ModelConfig.from_hf(SHIPPED)
     assert (c.d_model, c.d_ffn, c.n_heads, c.n_kv_heads, c.head_dim) == (256, 1024, 8, 4, 32)
-    assert c.ffn_kind == "relu" and c.gqa_groups == 2 and not c.tie_word_embeddings
+    assert c.ffn_kind == "relu" and c.family == "llama" and not c.tie_word_embeddings
     assert 6 <= c.n_layers <= 8 and c.max_seq_len == 512 and c.vocab_size == 4096
 
 

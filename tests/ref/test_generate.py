@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 import ref
-from ref.errors import UserError
-from ref.generate import apply_repeat_penalty, check_sampling, sample
+from ref.common.errors import UserError
+from ref.common.sampling import apply_repeat_penalty, check_sampling, sample
 from tests.helpers import write_model
 
 

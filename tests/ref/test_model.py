@@ -3,7 +3,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import ref
-from ref.errors import UserError
+from ref.common.batch import Batch
+from ref.common.errors import UserError
 from ref.model import attention, ffn_activation, fired, rmsnorm, rope
 from tests.helpers import SHIPPED, assert_close, write_model
 
@@ -25,8 +26,9 @@ def test_kv_cache_incremental_equals_whole(shipped_model):
     ids = GOLDEN["prompts.2.ids"]
     whole = shipped_model.logits(ids)
     cache = shipped_model.new_cache(len(ids))
-    parts = [shipped_model.forward(ids[:5], cache)] + [shipped_model.forward(ids[t:t + 1], cache) for t in range(5, len(ids))]
-    assert cache.length == len(ids)
+    parts = [shipped_model.forward(Batch.single(ids[:5], cache), cache)]
+    parts += [shipped_model.forward(Batch.single(ids[t:t + 1], cache), cache) for t in range(5, len(ids))]
+    assert cache.lengths.tolist() == [len(ids)]
     assert_close(np.concatenate(parts), whole, rtol=1e-5)
 
 
@@ -38,12 +40,15 @@ def test_float64_agrees(tmp_path):
 
 
 def test_tied_embeddings(tmp_path):
-    m = ref.load_model(write_model(tmp_path, {"tie_word_embeddings": True}))
-    assert "lm_head" not in m.weights.tensors
+    """Tied: the output layer is the embedding matrix, the same logits as an untied copy of it."""
+    from tests.helpers import SMALL_CONFIG, random_tensors
+    t = random_tensors(SMALL_CONFIG)
+    tied = ref.load_model(write_model(tmp_path / "tied", {"tie_word_embeddings": True},
+                                      tensors={k: v for k, v in t.items() if k != "lm_head.weight"}))
+    assert "lm_head" not in tied.weights.tensors
+    untied = ref.load_model(write_model(tmp_path / "untied", tensors={**t, "lm_head.weight": t["model.embed_tokens.weight"]}))
     ids = np.array([1, 2, 3])
-    cache = m.new_cache(3)
-    h_logits = m.forward(ids, cache)
-    assert h_logits.shape == (3, 50) and np.isfinite(h_logits).all()
+    assert_close(tied.logits(ids), untied.logits(ids), rtol=1e-6)
 
 
 @pytest.mark.parametrize("F", [100, 1, 77])
@@ -90,8 +95,8 @@ def test_gqa_equals_repeated_kv_heads():
     rng = np.random.default_rng(2)
     T, H, K, E = 4, 6, 2, 5
     q, k, v = rng.standard_normal((T, H, E)), rng.standard_normal((7, K, E)), rng.standard_normal((7, K, E))
-    gqa = attention(q, k, v, pos0=3)
-    mha = attention(q, np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1), pos0=3)
+    gqa = attention(q, k, v, np.arange(3, 7))
+    mha = attention(q, np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1), np.arange(3, 7))
     assert_close(gqa, mha, rtol=1e-12)
     # Last query sees all 7 keys: plain softmax attention for head 0.
     s = q[-1, 0] @ k[:, 0].T / np.sqrt(E)

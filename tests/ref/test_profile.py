@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 
 import ref
-from ref.artifacts import atomic_save
-from ref.errors import UserError
+from ref.common.artifacts import atomic_save
+from ref.common.errors import UserError
 from ref.model import fired
-from ref.profile import Reservoir, collect_samples, corpus_windows, firing_stats, load_activations, profile_activations, save_activations
+from ref.common.artifacts import load_activations, save_activations
+from ref.common.batch import Batch
+from ref.profile import Reservoir, collect_samples, corpus_windows, firing_stats, profile_activations
 from tests.helpers import SHIPPED, SMALL_CONFIG, write_model
 
 TEXT = "once upon a time there was a cat.\nthe cat liked to play with a red ball.\n" * 40
@@ -42,7 +44,8 @@ def brute_force_counts(model, windows):
     model.ffn_block = spy
     tokens = 0
     for ids, _ in windows:
-        model.forward(ids, model.new_cache(len(ids)))
+        cache = model.new_cache(len(ids))
+        model.forward(Batch.single(ids, cache), cache)
         tokens += len(ids)
     model.ffn_block = dense
     return counts, tokens

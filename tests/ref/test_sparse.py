@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 
 import ref
-from ref.errors import UserError
+from ref.common.artifacts import Predictors
+from ref.common.errors import UserError
 from ref.model import ffn_activation, fired
-from ref.predictor import save_predictors
-from ref.sparse import Predictors, apply_oracle, apply_predictors, hybrid_ffn, predicted_set, predictor_logits, sparse_ffn
+from ref.sparse import Selector, apply_oracle, apply_predictors, hybrid_ffn, predicted_set, predictor_logits, sparse_ffn
 from tests.helpers import SHIPPED, SMALL_CONFIG, assert_close, write_model
 
 
@@ -76,7 +76,7 @@ def all_firing_predictors(cfg, R=2):
 
 def test_predictors_choosing_everything_equal_dense(small_dir, tmp_path):
     m = ref.load_model(small_dir)
-    save_predictors(tmp_path / "p.safetensors", all_firing_predictors(m.config))
+    all_firing_predictors(m.config).save(tmp_path / "p.safetensors")
     sparse = ref.load_model(small_dir, predictors=tmp_path / "p.safetensors")
     ids = np.array([1, 5, 7, 9, 11])
     assert_close(sparse.logits(ids), m.logits(ids), rtol=1e-5)
@@ -104,7 +104,7 @@ def test_sparse_needs_sparse_kind(tmp_path):
     ("key", "unexpected tensor key 'layers.x.fc1.weight'"),
 ])
 def test_mismatched_predictors(small_dir, tmp_path, what, message):
-    from ref.artifacts import atomic_save
+    from ref.common.artifacts import atomic_save
     cfg = ref.ModelConfig.from_hf(small_dir)
     t = {}
     for l in range(3 if what == "layers" else 2):
@@ -119,7 +119,7 @@ def test_mismatched_predictors(small_dir, tmp_path, what, message):
 
 def test_truncated_predictors(small_dir, tmp_path):
     m = ref.load_model(small_dir)
-    save_predictors(tmp_path / "p.safetensors", all_firing_predictors(m.config))
+    all_firing_predictors(m.config).save(tmp_path / "p.safetensors")
     data = (tmp_path / "p.safetensors").read_bytes()
     (tmp_path / "p.safetensors").write_bytes(data[:-10])
     with pytest.raises(UserError, match="p.safetensors: truncated"):
@@ -142,9 +142,20 @@ def test_predictors_round_trip_12_layers(tmp_path):
     cfg = ref.ModelConfig.from_dict({**SMALL_CONFIG, "num_hidden_layers": 12})
     fc1 = [rng.standard_normal((4 + l, cfg.d_model)).astype(np.float32) for l in range(12)]
     fc2 = [rng.standard_normal((cfg.d_ffn, 4 + l)).astype(np.float32) for l in range(12)]
-    save_predictors(tmp_path / "p.safetensors", Predictors(fc1, fc2, -0.5, {"threshold": "-0.5", "target_recall": "0.97"}))
+    Predictors(fc1, fc2, -0.5, {"threshold": "-0.5", "target_recall": "0.97"}).save(tmp_path / "p.safetensors")
     got = Predictors.load(tmp_path / "p.safetensors", cfg)
-    assert got.threshold == -0.5 and got.metadata["target_recall"] == "0.97" and got.hidden_sizes == list(range(4, 16))
+    assert got.threshold == -0.5 and got.metadata["target_recall"] == "0.97"
+    assert [a.shape[0] for a in got.fc1] == list(range(4, 16))
     for l in range(12):
         np.testing.assert_array_equal(got.fc1[l], fc1[l])
         np.testing.assert_array_equal(got.fc2[l], fc2[l])
+
+
+def test_selector_picks_everything_without_predictors_and_the_threshold_set_with_them():
+    rng = np.random.default_rng(9)
+    dense = Selector(6)
+    assert not dense.predicts and dense.pick(0, None).tolist() == list(range(6))
+    pred = Predictors([rng.standard_normal((2, 4))], [rng.standard_normal((6, 2))], 0.0, {})
+    sel = Selector(6, pred, threshold=-0.1)
+    z = np.array([0.3, -0.2, -0.1, 5.0, -3.0, 0.0])
+    assert sel.predicts and sel.pick(0, z).tolist() == [0, 2, 3, 5]

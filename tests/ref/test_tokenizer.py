@@ -1,7 +1,7 @@
 import pytest
 
 import ref
-from ref.errors import UserError
+from ref.common.errors import UserError
 from tests.helpers import SHIPPED
 
 

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import ref
-from ref.errors import UserError
-from ref.weights import BF16, open_safetensors, upcast
+from ref.common.errors import UserError
+from ref.common import safetensors
+from ref.common.safetensors import BF16, open_safetensors, read_header, upcast, write_safetensors
 from tests.helpers import SMALL_CONFIG, assert_close, random_tensors, write_model
 
 
@@ -90,8 +91,7 @@ def test_missing_shard(tmp_path):
 
 def test_bf16_bits_upcast_exactly(tmp_path):
     x = np.array([[1.0, -2.5, 3.140625, 0.0]], np.float32)  # representable in bf16
-    from tests.helpers import write_safetensors
-    write_safetensors(tmp_path / "t.safetensors", {"x": x}, "BF16")
+    write_safetensors(tmp_path / "t.safetensors", {"x": x}, dtype="BF16")
     t = open_safetensors(tmp_path / "t.safetensors")["x"]
     assert isinstance(t, BF16) and t.shape == (1, 4)
     np.testing.assert_array_equal(upcast(t), x)
@@ -112,3 +112,24 @@ def test_index_must_be_valid(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(UserError, match="index.json: not a valid safetensors index"):
         ref.load_model(tmp_path)
+
+
+def test_writer_round_trip_in_chunks(tmp_path, monkeypatch):
+    """The one writer: every dtype back bit for bit, written a few rows at a time, metadata kept; the safetensors
+    package reads what it writes."""
+    from safetensors.numpy import load_file
+    monkeypatch.setattr(safetensors, "CHUNK_BYTES", 64)
+    rng = np.random.default_rng(0)
+    t = {"f32": rng.standard_normal((37, 5)).astype(np.float32), "i64": np.arange(7, dtype=np.int64),
+         "i32": np.array([3, 1], np.int32), "f16": rng.standard_normal((3, 4, 5)).astype(np.float16),
+         "scalar": np.array(2.5, np.float32), "empty": np.zeros((0, 3), np.float32)}
+    write_safetensors(tmp_path / "t.safetensors", t, {"note": "x"})
+    back = load_file(tmp_path / "t.safetensors")
+    for k, v in t.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+        np.testing.assert_array_equal(back[k], v)
+    assert read_header(tmp_path / "t.safetensors")[2] == {"note": "x"}
+    write_safetensors(tmp_path / "h.safetensors", {"w": t["f32"], "n": t["i64"]}, dtype="F16")
+    back = open_safetensors(tmp_path / "h.safetensors")
+    assert back["w"].dtype == np.float16 and back["n"].dtype == np.int64
+    np.testing.assert_array_equal(back["w"], t["f32"].astype(np.float16))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from ref.errors import UserError
-from ref.generate import Timings
+from ref.common.errors import UserError
+from ref.common.sampling import Timings
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-relu-llama"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-relu-llama"
 
 
 def sampling_options(f):
@@ -87,7 +87,7 @@ def print_timings(load_seconds: float, t: Timings) -> None:
     click.echo(f"{'total time':>18} = {total * 1e3:10.2f} ms / {t.prompt_tokens + t.eval_tokens:5d} tokens", err=True)
 
 
-SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+SHARED_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "corpus"
 
 
 def resolve_corpus(path: Path | None, split: str) -> Path:

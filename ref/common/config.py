@@ -7,12 +7,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ref.errors import UserError
+from ref.common.errors import UserError
 
-# Architectures of the LLaMA family that this loader reads (same tensor names, same block).
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "BambooForCausalLM")
+# HF architecture -> model family: one block definition and one weight-name table each (ref.model, ref.common.names).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "BambooForCausalLM": "llama"}
+# Configs without `architectures`: model_type -> architecture.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
-# HF `hidden_act` (or architecture) -> FFN kind of DESIGN section 2. All naming lives here.
+# HF `hidden_act` (or architecture) -> FFN kind (docs/design.md, Semantics). All naming lives here.
 FFN_KINDS = {
     "relu": "relu",        # ReGLU: ReluLLaMA, ProSparse without threshold, the shipped model
     "fatrelu": "fatrelu",  # ProSparse: relu with values <= threshold set to 0 (`hidden_act_param`)
@@ -22,12 +24,12 @@ FFN_KINDS = {
 }
 # Checkpoints whose config says `hidden_act: relu` but whose FFN is dReLU (their modeling code applies relu to up too).
 DRELU_ARCHITECTURES = ("BambooForCausalLM",)
-SPARSE_KINDS = ("relu", "fatrelu", "drelu")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
+    family: str              # one of ARCHITECTURES' values
     vocab_size: int          # V
     d_model: int             # D
     n_layers: int            # L
@@ -44,15 +46,6 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-
-    @property
-    def gqa_groups(self) -> int:
-        """Query heads sharing one key-value head."""
-        return self.n_heads // self.n_kv_heads
-
-    @property
-    def is_sparse_capable(self) -> bool:
-        return self.ffn_kind in SPARSE_KINDS
 
     @property
     def ffn_matrices(self) -> int:
@@ -97,12 +90,9 @@ class ModelConfig:
             return value
 
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None if archs else MODEL_TYPES.get(raw.get("model_type")))
         if arch is None:
-            if raw.get("model_type") in ("llama", "mistral") and not archs:
-                arch = "LlamaForCausalLM"
-            else:
-                raise UserError(f"{source}: unsupported architectures {archs!r} (supported: {', '.join(ARCHITECTURES)})")
+            raise UserError(f"{source}: unsupported architectures {archs!r} (supported: {', '.join(ARCHITECTURES)})")
         act = str(raw.get("hidden_act", "silu")).lower()
         if act not in FFN_KINDS:
             raise UserError(f"{source}: unsupported hidden_act '{act}' (supported: {', '.join(FFN_KINDS)})")
@@ -120,6 +110,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return ModelConfig(
             architecture=arch,
+            family=ARCHITECTURES[arch],
             vocab_size=need("vocab_size"),
             d_model=d_model,
             n_layers=need("num_hidden_layers"),
@@ -137,3 +128,23 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype", "float32")),
         )
+
+
+# Real architectures' shapes for benchmarks: name -> (D, F, layers, heads, kv heads, vocab).
+SHAPES = {
+    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000),
+    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
+    "llama-13b": (5120, 13824, 40, 40, 40, 32000),
+    "llama-70b": (8192, 28672, 80, 64, 8, 32000),
+    "tiny": (256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
+    "micro": (16, 24, 2, 2, 1, 32),  # smoke runs under the CUDA simulator
+}
+
+
+def shape_config(name: str, layers: int | None = None, hidden_act: str = "relu") -> ModelConfig:
+    """A ReLU LLaMA config of a named shape (optionally cut to `layers` layers)."""
+    D, F, L, H, K, V = SHAPES[name]
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_act": hidden_act, "hidden_size": D, "intermediate_size": F,
+        "num_hidden_layers": layers or L, "num_attention_heads": H, "num_key_value_heads": K, "vocab_size": V,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"})

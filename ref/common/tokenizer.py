@@ -1,11 +1,11 @@
-"""Thin wrapper over `tokenizers.Tokenizer`: BOS from the model's config, never from the template."""
+"""Thin wrapper over `tokenizers.Tokenizer`: BOS and EOS from the model's config, never from the template."""
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from ref.errors import UserError
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
 
 
 class Tokenizer:
@@ -26,7 +26,7 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """`tokenizer.json` of a model folder; BOS and EOS ids from its `config.json`."""
+    """`tokenizer.json` of a model folder; BOS and EOS ids from its `config.json` when there is one."""
     path = Path(path)
     model_dir = path if path.is_dir() else path.parent
     file = path / "tokenizer.json" if path.is_dir() else path
@@ -36,14 +36,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = HFTokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise UserError(f"{file}: not a valid tokenizer file ({str(e).splitlines()[0][:120]})") from None
-    bos, eos = None, ()
-    config = model_dir / "config.json"
-    if config.is_file():
-        try:
-            raw = json.loads(config.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{config}: not valid JSON") from None
-        bos = raw.get("bos_token_id")
-        e = raw.get("eos_token_id")
-        eos = tuple(e) if isinstance(e, list) else (() if e is None else (e,))
-    return Tokenizer(tok, bos, eos)
+    if not (model_dir / "config.json").is_file():
+        return Tokenizer(tok, None, ())
+    cfg = ModelConfig.from_hf(model_dir)
+    return Tokenizer(tok, cfg.bos_token_id, cfg.eos_token_ids)

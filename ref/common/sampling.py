@@ -5,11 +5,12 @@ Dimensions: V vocab.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from ref.errors import UserError
+from ref.common.batch import Batch
+from ref.common.errors import UserError
 
 REPEAT_LAST_N = 64  # llama.cpp's default window for the repeat penalty
 
@@ -38,9 +39,13 @@ def check_prompt(ids, cfg, ctx_size=None) -> int:
                         else f"-c/--ctx-size must be >= 0, got {ctx}")
     if not len(ids):
         raise UserError("empty prompt: nothing to condition on")
-    if len(ids) > ctx:
-        raise UserError(f"prompt of {len(ids)} tokens is longer than the context ({ctx})")
+    check_fits(len(ids), ctx)
     return ctx
+
+
+def check_fits(n_tokens: int, ctx: int) -> None:
+    if n_tokens > ctx:
+        raise UserError(f"prompt of {n_tokens} tokens is longer than the context ({ctx})")
 
 
 def apply_repeat_penalty(logits: np.ndarray, history, penalty: float) -> np.ndarray:
@@ -86,7 +91,6 @@ class Timings:
     prompt_seconds: float = 0.0
     eval_tokens: int = 0
     eval_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
@@ -94,7 +98,7 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     """New token ids after the prompt `ids`; stops at EOS (not returned), `max_new_tokens`, or when prompt and
     output fill the context.
 
-    `model` is any engine with `config`, `new_cache(capacity)` and `forward(ids, cache) -> logits [T, V]`.
+    `model` is any engine with `config`, `new_cache(capacity)` and `forward(batch, cache) -> logits [T, V]`.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     cfg = model.config
@@ -106,7 +110,7 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     rng = np.random.default_rng(seed)
     cache = model.new_cache(min(ctx, len(ids) + max_new_tokens))
     t0 = time.perf_counter()
-    logits = model.forward(ids, cache)[-1]  # [V]
+    logits = model.forward(Batch.single(ids, cache), cache)[-1]  # [V]
     timings.prompt_tokens, timings.prompt_seconds = len(ids), time.perf_counter() - t0
     out: list[int] = []
     t0 = time.perf_counter()
@@ -119,7 +123,7 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
             on_token(tok)
         if len(out) == max_new_tokens or len(ids) + len(out) == ctx:
             break
-        logits = model.forward([tok], cache)[-1]
+        logits = model.forward(Batch.single([tok], cache), cache)[-1]
         timings.eval_tokens += 1
     timings.eval_seconds = time.perf_counter() - t0
     return out

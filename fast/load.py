@@ -1,0 +1,62 @@
+"""The facade one floor up: `load_engine` composes what fast.run's flags ask for, in order: load the checkpoint
+(`Engine.load`), apply the predictors (`apply_predictors`), on a GPU let `placement` decide and apply its decision
+(`to_hybrid`), then compile the kernels. Nothing here is written to disk: a placement solved at load lives in memory
+(`python -m placement -o FILE` writes one to reuse with `placement=FILE`)."""
+
+from pathlib import Path
+
+from fast.engine import Decoder, Engine, apply_predictors
+from fast.hybrid import device_identity, require_gpu, to_hybrid
+from placement.budget import GiB, hardware_for, whole_layers
+from placement.place import place, request
+from ref.common.artifacts import load_placement
+from ref.common.errors import UserError
+
+DEVICES = ("cpu", "gpu", "hybrid")
+POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style whole layers on the GPU
+GROUP = 64  # neurons per ILP group
+
+
+def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
+                threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid") -> Decoder:
+    """The engine fast.run runs: dense, or predictor-sparse with `predictors`; on `gpu`/`hybrid`, placed on the card
+    (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors). Compiles (or
+    loads the cached) kernels with one warm-up token, timed as `compile_seconds`."""
+    if device not in DEVICES:
+        raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
+    if policy not in POLICIES:
+        raise UserError(f"--policy must be one of {', '.join(POLICIES)}, got '{policy}'")
+    engine = Engine.load(path, threads)
+    if predictors is not None:
+        apply_predictors(engine, predictors, predictor_threshold)
+    if device != "cpu":
+        engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
+    engine.warm_up()
+    return engine
+
+
+def place_on_gpu(engine: Engine, model_dir: Path, device: str, placement=None, vram_budget: float | None = None,
+                 policy: str = "hybrid"):
+    """Budget the card, take the placement (a file, llama.cpp's whole layers, or PowerInfer's ILP) and apply it."""
+    require_gpu(device)
+    c, sel = engine.config, engine.selector
+    hw = hardware_for(*device_identity())
+    if vram_budget is not None and vram_budget * GiB > hw.vram_bytes:
+        raise UserError(f"--vram-budget {vram_budget:g} GiB is larger than the GPU's {hw.vram_bytes / GiB:.1f} GiB")
+    budget = int(vram_budget * GiB) if vram_budget is not None else int(0.9 * hw.vram_bytes)
+    if device == "gpu" or policy == "layers":
+        neurons, dense = whole_layers(c, engine.format, c.max_seq_len, budget)
+        on_gpu = sum(name.startswith("attention.") for name in dense)
+        if device == "gpu" and on_gpu < c.n_layers:
+            raise UserError(f"--device gpu: the model does not fit --vram-budget {budget / GiB:.2f} GiB "
+                            f"({on_gpu} of {c.n_layers} layers do); use --device hybrid")
+    elif placement is not None:
+        neurons, meta = load_placement(placement, c.n_layers, c.d_ffn)
+        dense = meta.get("dense_on_gpu", [])
+    else:
+        req = request(c, model_dir / "activations.safetensors", budget / GiB, hw, engine.format, c.max_seq_len, GROUP,
+                      "auto")
+        params = [a.size + b.size for a, b in zip(sel.fc1, sel.fc2)] if sel.predicts else []
+        solved, _, meta = place(c, model_dir / "activations.safetensors", req, hw, params)
+        neurons, dense = solved.gpu_neurons, meta["dense_on_gpu"]
+    return to_hybrid(engine, neurons, dense)
