@@ -132,13 +132,8 @@ class HybridEngine(Decoder):
         G, host, h_d = self.gpu_layers[l], self.host, h.gpu()
         y_d = gpu.scratch("y_gpu", (1, self.config.d_model))
         for t in range(h_d.shape[0]):
-            active = self.active_set(l, h, t)
-            hot_d, n = G.hot_all, len(active)
-            if n < self.config.d_ffn:
-                hot_d = gpu.scratch("hot", max(n, 1), np.int32)
-                if n:
-                    hot_d.copy_to_device(G.slot[active])
-            gpu.ffn_block(y_d[0], None, h_d[t], G.ffn_norm, G.bundle, hot_d, n, host.kind, host.thr,
+            hot_d, n_hot, _ = self.split(G, self.active_set(l, h, t))
+            gpu.ffn_block(y_d[0], None, h_d[t], G.ffn_norm, G.bundle, hot_d, n_hot, host.kind, host.thr,
                           self.config.rms_norm_eps)
             gpu.add(h_d[t:t + 1], y_d)
 
@@ -152,35 +147,41 @@ class HybridEngine(Decoder):
         gpu.predictor(logits, hidden, h.a[t], fc1, fc2)
         return sel.pick(l, logits.copy_to_host(sel.logits))
 
-    def hybrid_ffn_block(self, l: int, h: Residual) -> None:
-        """h += y_gpu(P ∩ G) + y_cpu(P \\ G): the GPU half is launched, the CPU half computed meanwhile, and the
-        other side's partial crosses over to where the residual lives."""
-        c, G, L, host = self.config, self.gpu_layers[l], self.host.layers[l], self.host
+    def split(self, G: GpuLayer, active: np.ndarray) -> tuple[object, int, np.ndarray]:
+        """A token's active set as (rows of G.bundle on the device, their count, the CPU's neuron ids)."""
+        if len(active) == self.config.d_ffn:
+            return G.hot_all, len(G.slot) - len(G.cold_all), G.cold_all
+        slots = G.slot[active]
+        hot, cold = slots[slots >= 0], np.ascontiguousarray(active[slots < 0])
+        hot_d = gpu.scratch("hot", max(len(hot), 1), np.int32)
+        if len(hot):
+            hot_d.copy_to_device(hot)
+        return hot_d, len(hot), cold
+
+    def ffn_input(self, l: int, h: Residual) -> tuple[np.ndarray, object]:
+        """x = rmsnorm(h) [T, D] on both sides, computed where the residual is (where the predictor runs, if it does)."""
+        c, G = self.config, self.gpu_layers[l]
         if G.predictor is not None:
             h.gpu()
         elif self.selector.predicts:
             h.cpu()
-        T, D = h.a.shape
+        x_d = gpu.scratch("ffn_x", h.a.shape)
         if h.on_gpu:
-            x_d = gpu.scratch("ffn_x", (T, D))
             gpu.rmsnorm(x_d, h.a, G.ffn_norm, c.rms_norm_eps)
-            x = x_d.copy_to_host()  # [T, D]
-        else:
-            x = np.empty_like(h.a)
-            cpu.rmsnorm(x, h.a, L.ffn_norm, c.rms_norm_eps)
-            x_d = gpu.scratch("ffn_x", (T, D))
-            x_d.copy_to_device(x)
-        y_d, y_cpu_d = gpu.scratch("y_gpu", (1, D)), gpu.scratch("y_cpu", (1, D))
-        for t in range(T):
-            active = self.active_set(l, h, t)
-            if len(active) == c.d_ffn:
-                hot_d, n_hot, cold = G.hot_all, len(G.slot) - len(G.cold_all), G.cold_all
-            else:
-                slots = G.slot[active]
-                hot, cold = slots[slots >= 0], np.ascontiguousarray(active[slots < 0])
-                hot_d, n_hot = gpu.scratch("hot", max(len(hot), 1), np.int32), len(hot)
-                if n_hot:
-                    hot_d.copy_to_device(hot)
+            return x_d.copy_to_host(), x_d
+        x = np.empty_like(h.a)
+        cpu.rmsnorm(x, h.a, self.host.layers[l].ffn_norm, c.rms_norm_eps)
+        x_d.copy_to_device(x)
+        return x, x_d
+
+    def hybrid_ffn_block(self, l: int, h: Residual) -> None:
+        """h += y_gpu(P ∩ G) + y_cpu(P \\ G): the GPU half is launched, the CPU half computed meanwhile, and the
+        other side's partial crosses over to where the residual lives."""
+        G, L, host = self.gpu_layers[l], self.host.layers[l], self.host
+        x, x_d = self.ffn_input(l, h)
+        y_d, y_cpu_d = gpu.scratch("y_gpu", (1, x.shape[1])), gpu.scratch("y_cpu", (1, x.shape[1]))
+        for t in range(x.shape[0]):
+            hot_d, n_hot, cold = self.split(G, self.active_set(l, h, t))
             if n_hot:  # launched, not waited for
                 gpu.sparse_ffn(y_d[0], None, x_d[t], G.bundle, hot_d, n_hot, host.kind, host.thr)
             if len(cold):
