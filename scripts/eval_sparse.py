@@ -1,4 +1,5 @@
-"""Accuracy of sparse execution: perplexity for dense, predictor-sparse and oracle-sparse, and per-layer recall."""
+"""Accuracy of sparse execution: perplexity for dense, predictor-sparse and oracle-sparse, and per-layer recall, with
+the weights in their stored format or in the one --type names."""
 
 import json
 from pathlib import Path
@@ -9,7 +10,9 @@ from ref.common.cli import check_model_dir, resolve_corpus, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.evaluate import measure_predictors, perplexity
 from ref.model import Model
+from ref.common.formats import FORMATS, format_of
 from ref.profile import corpus_windows
+from ref.quant import quantize_model
 from ref.sparse import apply_oracle, apply_predictors
 
 
@@ -20,11 +23,13 @@ from ref.sparse import apply_oracle, apply_predictors
 @click.option("--max-tokens", type=int, default=None, help="Score at most this many tokens.")
 @click.option("--window", type=int, default=256, show_default=True)
 @click.option("--predictor-threshold", type=float, default=None, help="Override the stored threshold.")
+@click.option("--type", "type_", default=None, help=f"Weight format: {', '.join(FORMATS)} [default: as stored].")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON.")
 @user_errors
-def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold, json_file):
+def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold, type_, json_file):
     """Perplexity on held-out text for dense, predictor-sparse and oracle-sparse execution."""
     check_model_dir(model_dir)
+    fmt = format_of(type_) if type_ else None
     corpus = resolve_corpus(corpus, "val.txt")
     predictors = predictors or model_dir / "predictors.safetensors"
     tok = load_tokenizer(model_dir)
@@ -32,13 +37,16 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
     def windows():
         return corpus_windows(tok, corpus, window, max_tokens)
 
-    ppl_dense, n = perplexity(Model.load(model_dir), windows(), "dense")
-    ppl_oracle, _ = perplexity(apply_oracle(Model.load(model_dir)), windows(), "oracle")
-    sparse = apply_predictors(Model.load(model_dir), predictors, predictor_threshold)
+    def load():
+        return Model.load(model_dir) if fmt is None else quantize_model(Model.load(model_dir), fmt)
+
+    ppl_dense, n = perplexity(load(), windows(), "dense")
+    ppl_oracle, _ = perplexity(apply_oracle(load()), windows(), "oracle")
+    sparse = apply_predictors(load(), predictors, predictor_threshold)
     ppl_pred, _ = perplexity(sparse, windows(), "predictor")
     layers = measure_predictors(sparse, windows())
 
-    click.echo(f"{n:,} tokens of {corpus}")
+    click.echo(f"{n:,} tokens of {corpus}; weights {fmt.name if fmt else 'as stored'}")
     click.echo("execution        | perplexity | vs dense")
     for name, p in (("dense", ppl_dense), ("oracle-sparse", ppl_oracle), ("predictor-sparse", ppl_pred)):
         click.echo(f"{name:16} | {p:10.4f} | {p / ppl_dense - 1:+.4%}")
@@ -50,7 +58,7 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
     click.echo(f" mean | {mean('recall'):6.3f} | {mean('precision'):9.3f} | {mean('predicted_fraction'):9.1%} | "
                f"{mean('fired_fraction'):5.1%} | threshold {sparse.selector.threshold}")
     if json_file:
-        out = {"tokens": n, "perplexity": {"dense": ppl_dense, "oracle": ppl_oracle, "predictor": ppl_pred},
+        out = {"tokens": n, "type": fmt.name if fmt else None, "perplexity": {"dense": ppl_dense, "oracle": ppl_oracle, "predictor": ppl_pred},
                "threshold": sparse.selector.threshold, "layers": layers}
         json_file.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -73,8 +73,9 @@ class BF16:
 
 
 def upcast(t, dtype=np.float32) -> np.ndarray:
-    """A stored tensor (memory-mapped, any supported dtype) as a compute array; no copy when already `dtype`."""
-    return t.astype(dtype) if isinstance(t, BF16) else np.asarray(t).astype(dtype, copy=False)
+    """A stored tensor (a memory-mapped array of any supported dtype, or a stored-format object such as `BF16` whose
+    `astype` decodes it) as a compute array; no copy when already `dtype`."""
+    return t.astype(dtype, copy=False) if isinstance(t, np.ndarray) else t.astype(dtype)
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,131 @@
+"""What a weight in each format means: llama.cpp's block layouts and reference rounding (ggml-quants.c), in NumPy.
+A weight stored in a format means its dequantized values; `quantize_model` is the transform that stores a model's
+matrices in a format, after which every engine computes with those values.
+
+Blocks run along a row (the input dimension of a [out, in] weight), 32 elements each:
+  q8_0, 34 bytes: fp16 d, 32 int8 q;  d = amax / 127, q = round(x / d) (half away from zero), value q d.
+  q4_0, 18 bytes: fp16 d, 16 bytes;   m = the element of largest |x| (sign kept, the first on ties), d = m / -8,
+                  q = min(15, trunc(x / d + 8.5)), low nibbles elements 0-15, high nibbles 16-31, value (q - 8) d.
+f16 rounds to nearest even; bf16 keeps the upper 16 bits of the float32, rounded to nearest even.
+The FFN's down matrix is stored transposed (rows = neurons, blocks along D), as PowerInfer's `ffn_down_t`.
+
+Dimensions: N rows, n elements per row, B = n / 32 blocks per row.
+"""
+
+import numpy as np
+
+from ref.common.errors import UserError
+from ref.common.formats import Format, format_of
+from ref.common.safetensors import BF16, to_bf16_bits, upcast
+
+BLOCK = 32
+
+
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf: halves away from zero (numpy's round goes to even)."""
+    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+
+
+def inverse(d: np.ndarray) -> np.ndarray:
+    """1 / d in float32, 0 where d is 0 (an all-zero block)."""
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Blocks [N * B, 34] uint8 of x [N * B, 32] float32."""
+    d = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)  # [N B, 1]
+    q = round_half_away(x * inverse(d)).astype(np.int8)  # [N B, 32]
+    return np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=1)
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """Blocks [N * B, 18] uint8 of x [N * B, 32] float32."""
+    m = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)  # [N B, 1]
+    d = m / np.float32(-8)
+    q = np.minimum(np.trunc(x * inverse(d) + np.float32(8.5)), 15).astype(np.uint8)  # [N B, 32], in 0..15
+    nibbles = q[:, :16] | (q[:, 16:] << np.uint8(4))  # [N B, 16]
+    return np.concatenate([d.astype(np.float16).view(np.uint8), nibbles], axis=1)
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Values [N * B, 32] float32 of blocks [N * B, 34]."""
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [N B, 1]
+    return blocks[:, 2:].view(np.int8).astype(np.float32) * d
+
+
+def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    """Values [N * B, 32] float32 of blocks [N * B, 18]."""
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [N B, 1]
+    q = np.concatenate([blocks[:, 2:] & np.uint8(15), blocks[:, 2:] >> np.uint8(4)], axis=1)  # [N B, 32]
+    return (q.astype(np.float32) - np.float32(8)) * d
+
+
+CODECS = {"q8_0": (quantize_q8_0, dequantize_q8_0), "q4_0": (quantize_q4_0, dequantize_q4_0)}
+
+
+class Quantized:
+    """A tensor [..., n] stored in a block format as `blocks` [..., B * block_bytes] uint8; it means its dequantized
+    float32 values. Indexing picks rows; `astype` dequantizes."""
+
+    def __init__(self, fmt: Format, blocks: np.ndarray, shape: tuple[int, ...]):
+        self.format, self.blocks, self.shape = fmt, blocks, tuple(shape)
+
+    def __getitem__(self, rows):
+        blocks = self.blocks[rows]
+        return Quantized(self.format, blocks, (*blocks.shape[:-1], self.shape[-1]))
+
+    def astype(self, dtype) -> np.ndarray:
+        values = CODECS[self.format.name][1](self.blocks.reshape(-1, self.format.block_bytes))
+        return values.reshape(self.shape).astype(dtype, copy=False)
+
+
+class Transposed:
+    """A matrix [D, F] kept as its transpose [F, D] (the FFN's down matrix, blocks along D): `t[:, cols]` reads rows
+    of the stored transpose."""
+
+    def __init__(self, t):
+        self.t, self.shape = t, tuple(t.shape[::-1])
+
+    def __getitem__(self, index):
+        rows, cols = index
+        if rows != slice(None):
+            raise IndexError("a Transposed matrix is indexed by columns only: t[:, cols]")
+        return Transposed(self.t[cols])
+
+    def astype(self, dtype) -> np.ndarray:
+        return upcast(self.t, dtype).T
+
+
+def quantize(x: np.ndarray, fmt: str | Format, name: str = "tensor"):
+    """x [..., n] stored in `fmt`: a float32 or float16 array, BF16 bits, or Quantized blocks."""
+    fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if fmt.name == "f32":
+        return x
+    if fmt.name == "f16":
+        return x.astype(np.float16)
+    if fmt.name == "bf16":
+        return BF16(to_bf16_bits(x))
+    if x.shape[-1] % fmt.block:
+        raise UserError(f"--type {fmt.name}: {name} has rows of {x.shape[-1]} elements, not whole blocks of {fmt.block}")
+    blocks = CODECS[fmt.name][0](x.reshape(-1, fmt.block))  # [N B, block_bytes]
+    return Quantized(fmt, blocks.reshape(*x.shape[:-1], -1), x.shape)
+
+
+def quantize_model(model, fmt: str | Format):
+    """Store every matrix of `model` (embedding, attention, FFN, output) in `fmt`, the down matrix as its transpose;
+    norms stay as they are. A transform: the model code is unchanged and computes with the stored values."""
+    fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
+    tensors = model.weights.tensors
+    for name, t in tensors.items():
+        if len(t.shape) != 2:
+            continue
+        if name.endswith(".wd"):
+            tensors[name] = Transposed(quantize(upcast(t).T, fmt, name))
+        else:
+            tensors[name] = quantize(upcast(t), fmt, name)
+    model.format = fmt
+    return model
+
+
