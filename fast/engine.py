@@ -1,8 +1,9 @@
 """The fast engine: ref's model, laid out once for the numba kernels of `fast.cpu`.
 
-`Engine.load` only loads. Features are transforms applied to a loaded engine: `apply_predictors` gives it a
-predicting `Selector`, `fast.hybrid.to_hybrid` puts a placement's share on the GPU; the block code asks the
-selector which neurons to compute and does not know which one it has.
+`Engine.load` only loads, keeping the checkpoint's weight format (no float32 copy of an f16 or bf16 model).
+Features are transforms applied to a loaded engine: `convert` stores its matrices in another format (--type),
+`apply_predictors` gives it a predicting `Selector`, `fast.hybrid.to_hybrid` puts a placement's share on the GPU;
+the block code asks the selector which neurons to compute and does not know which one it has.
 
 Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
 V vocab, R predictor hidden size, C accumulator chunks.
@@ -26,13 +27,15 @@ from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
 from ref.model import rope_angles
+from ref.quant import blocks, format_of_blocks, quantize, values
 
 F32 = np.float32
 
 
 @dataclass
 class Layer:
-    """One block's weights in kernel layout, contiguous; FFN neuron-major with each neuron's rows bundled."""
+    """One block's weights in kernel layout, contiguous: matrices as rows of their format's blocks
+    (`Format.dtype`), norms float32; FFN neuron-major with each neuron's rows bundled."""
 
     attn_norm: np.ndarray  # [D]
     wqkv: np.ndarray  # [(H + 2K) E, D]
@@ -41,16 +44,26 @@ class Layer:
     bundle: np.ndarray  # [F, 3, D]: row i = (gate_i, up_i, down[:, i])
 
 
-def layout_llama(w: Weights, l: int) -> Layer:
-    """A LLaMA block in float32: q, k, v fused; gate row, up row and down column of each neuron in one bundle."""
+def as_format(t, fmt: Format) -> np.ndarray:
+    """A stored tensor, or rows of blocks, as rows of fmt's blocks: itself (a view) where it is in fmt already."""
+    b = t if isinstance(t, np.ndarray) and t.dtype.names else blocks(t)
+    return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt))
+
+
+def layout_llama(w: Weights, l: int, fmt: Format) -> Layer:
+    """A LLaMA block with its matrices in `fmt`: q, k, v fused; gate row, up row and down column of each neuron in
+    one bundle (the down matrix transposed, as PowerInfer's ffn_down_t)."""
     p = f"layers.{l}."
 
-    def f32(name):
+    def vec(name):
         return np.ascontiguousarray(upcast(w[p + name], F32))
 
-    bundle = np.empty((w.config.d_ffn, 3, w.config.d_model), F32)
-    bundle[:, 0], bundle[:, 1], bundle[:, 2] = f32("wg"), f32("wu"), f32("wd").T
-    return Layer(f32("attn_norm"), np.concatenate([f32("wq"), f32("wk"), f32("wv")]), f32("wo"), f32("ffn_norm"), bundle)
+    def mat(name):
+        return as_format(w[p + name], fmt)
+
+    bundle = np.empty((w.config.d_ffn, 3, w.config.d_model // fmt.block), fmt.dtype)
+    bundle[:, 0], bundle[:, 1], bundle[:, 2] = mat("wg"), mat("wu"), as_format(w[p + "wd"].T, fmt)
+    return Layer(vec("attn_norm"), np.concatenate([mat("wq"), mat("wk"), mat("wv")]), mat("wo"), vec("ffn_norm"), bundle)
 
 
 LAYOUTS = {"llama": layout_llama}  # family -> its block's kernel layout
@@ -116,17 +129,17 @@ class Engine(Decoder):
 
     @staticmethod
     def load(path: str | Path, threads: int | None = None) -> "Engine":
-        """Lay out an HF checkpoint for the kernels (dense; features are transforms applied to the result)."""
+        """Lay out an HF checkpoint for the kernels in the format its matrices are stored in (dense; features are
+        transforms applied to the result)."""
         cfg = ModelConfig.from_hf(path)
         if cfg.family not in LAYOUTS:
             raise UserError(f"{path}: the fast engine has no layout for the {cfg.family} family")
         w = Weights.load(path, cfg)
-
-        def f32(name):
-            return np.ascontiguousarray(upcast(w[name], F32))
-
-        return Engine(cfg, [LAYOUTS[cfg.family](w, l) for l in range(cfg.n_layers)], f32("embed"), f32("norm"),
-                      f32("embed" if cfg.tie_word_embeddings else "lm_head"), threads)
+        fmt = format_of_blocks(blocks(w["embed"][:1]).dtype)
+        layers = [LAYOUTS[cfg.family](w, l, fmt) for l in range(cfg.n_layers)]
+        embed = as_format(w["embed"], fmt)
+        lm_head = embed if cfg.tie_word_embeddings else as_format(w["lm_head"], fmt)
+        return Engine(cfg, layers, embed, np.ascontiguousarray(upcast(w["norm"], F32)), lm_head, threads, fmt)
 
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots)
@@ -163,7 +176,7 @@ class Engine(Decoder):
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [T, V] of a batch; its sequence's cache slot grows by T."""
         seq, _ = check_batch(batch, cache, self.config)
-        h = self.embed[batch.tokens]  # [T, D]
+        h = values(self.embed[batch.tokens])  # [T, D]
         for l in range(self.config.n_layers):
             self.block(l, h, batch, cache)
         cache.lengths[seq] += len(batch)
@@ -187,6 +200,25 @@ def set_threads(threads: int | None) -> int:
         raise UserError(f"-t/--threads must be in [1, {most}], got {threads}")
     numba.set_num_threads(threads)
     return threads
+
+
+def require_kernels(fmt: Format) -> None:
+    if fmt.quantized:
+        raise UserError(f"--type {fmt.name}: the fast engine has no kernels for quantized weights yet "
+                        f"(ref runs them: scripts/eval_sparse.py --type {fmt.name})")
+
+
+def convert(engine: Engine, fmt: Format) -> Engine:
+    """Store the engine's matrices in another format (--type), a layer at a time, so that memory holds one layer in
+    both formats at most."""
+    require_kernels(fmt)
+    for L in engine.layers:
+        L.wqkv, L.wo, L.bundle = as_format(L.wqkv, fmt), as_format(L.wo, fmt), as_format(L.bundle, fmt)
+    tied = engine.lm_head is engine.embed
+    engine.embed = as_format(engine.embed, fmt)
+    engine.lm_head = engine.embed if tied else as_format(engine.lm_head, fmt)
+    engine.format = fmt
+    return engine
 
 
 def apply_predictors(engine: Engine, predictors, threshold: float | None = None) -> Engine:

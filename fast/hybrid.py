@@ -1,7 +1,8 @@
 """PowerInfer's hybrid engine (the paper's section 5): hot neurons on the GPU, cold ones on the CPU, at the same time.
 
 `to_hybrid(engine, gpu_neurons, dense_on_gpu)` applies a placement it is given (`placement` decides; this module
-never does) to a loaded CPU engine, which the hybrid engine holds and runs its CPU blocks with. It uploads what the
+never does) to a loaded CPU engine (in f32: the GPU kernels read no other format yet), which the hybrid engine holds
+and runs its CPU blocks with. It uploads what the
 placement gives the GPU: per layer attention (with its KV cache), predictor and hot neurons (compact, in
 `gpu_neurons` order); the output layer. Which side runs each block is fixed then, as data: each block runs where
 its weights are and the residual stream follows, copied only when it changes sides. Per token, a layer whose
@@ -18,10 +19,11 @@ import numpy as np
 from numba import cuda
 
 from fast import cpu, gpu
-from fast.engine import Decoder, Engine
+from fast.engine import Decoder, Engine, convert
 from ref.common.artifacts import dense_names
 from ref.common.batch import Batch, KVCache, check_batch
 from ref.common.errors import UserError
+from ref.common.formats import FORMATS
 
 F32 = np.float32
 
@@ -62,7 +64,7 @@ class HybridEngine(Decoder):
 
     def __init__(self, host: Engine, gpu_neurons: list[np.ndarray], dense_on_gpu: set[str]):
         c = self.config = host.config
-        self.host, self.selector, self.threads = host, host.selector, host.threads
+        self.host, self.selector, self.threads, self.format = host, host.selector, host.threads, host.format
         self.gpu_neurons, self.dense_on_gpu = gpu_neurons, set(dense_on_gpu)
         self.cos_d, self.sin_d = cuda.to_device(host.cos), cuda.to_device(host.sin)
         self.gpu_layers = [self.upload_layer(l) for l in range(c.n_layers)]
@@ -241,6 +243,7 @@ def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray], dense_on_gpu=None) 
     if unknown:
         raise UserError(f"placement: unknown dense part '{unknown[0]}' for a {c.n_layers}-layer model: "
                         "a placement for another model, or from an older version (solve it again)")
+    convert(engine, FORMATS["f32"])  # the GPU kernels read f32 weights, so far; the CPU's share runs in f32 too
     return HybridEngine(engine, [np.asarray(g, np.int32) for g in gpu_neurons], set(dense))
 
 

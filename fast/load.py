@@ -1,16 +1,18 @@
 """The facade one floor up: `load_engine` composes what fast.run's flags ask for, in order: load the checkpoint
-(`Engine.load`), apply the predictors (`apply_predictors`), on a GPU let `placement` decide and apply its decision
-(`to_hybrid`), then compile the kernels. Nothing here is written to disk: a placement solved at load lives in memory
+(`Engine.load`), store its weights in the format asked for (`convert`), apply the predictors (`apply_predictors`),
+on a GPU let `placement` decide and apply its decision (`to_hybrid`, which holds f32 weights), then compile the
+kernels. Nothing here is written to disk: a placement solved at load lives in memory
 (`python -m placement -o FILE` writes one to reuse with `placement=FILE`)."""
 
 from pathlib import Path
 
-from fast.engine import Decoder, Engine, apply_predictors
+from fast.engine import Decoder, Engine, apply_predictors, convert, require_kernels
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
 from ref.common.artifacts import load_placement
 from ref.common.errors import UserError
+from ref.common.formats import FORMATS, format_of
 
 DEVICES = ("cpu", "gpu", "hybrid")
 POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style whole layers on the GPU
@@ -18,15 +20,24 @@ GROUP = 64  # neurons per ILP group
 
 
 def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
-                threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid") -> Decoder:
-    """The engine fast.run runs: dense, or predictor-sparse with `predictors`; on `gpu`/`hybrid`, placed on the card
-    (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors). Compiles (or
-    loads the cached) kernels with one warm-up token, timed as `compile_seconds`."""
+                threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
+                type_: str | None = None) -> Decoder:
+    """The engine fast.run runs: weights as stored or in the format `type_` names, dense, or predictor-sparse with
+    `predictors`; on `gpu`/`hybrid`, placed on the card (a placement file, or one solved for `vram_budget` GiB from
+    MODEL_DIR/activations.safetensors). Compiles (or loads the cached) kernels with one warm-up token, timed as
+    `compile_seconds`."""
     if device not in DEVICES:
         raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
     if policy not in POLICIES:
         raise UserError(f"--policy must be one of {', '.join(POLICIES)}, got '{policy}'")
+    fmt = format_of(type_) if type_ is not None else None
+    if device != "cpu" and fmt not in (None, FORMATS["f32"]):
+        raise UserError(f"--type {fmt.name} with --device {device}: the GPU kernels read f32 weights only, so far")
+    if fmt is not None:
+        require_kernels(fmt)  # before a long load
     engine = Engine.load(path, threads)
+    if fmt is not None and fmt != engine.format:
+        convert(engine, fmt)
     if predictors is not None:
         apply_predictors(engine, predictors, predictor_threshold)
     if device != "cpu":
@@ -39,6 +50,7 @@ def place_on_gpu(engine: Engine, model_dir: Path, device: str, placement=None, v
                  policy: str = "hybrid"):
     """Budget the card, take the placement (a file, llama.cpp's whole layers, or PowerInfer's ILP) and apply it."""
     require_gpu(device)
+    convert(engine, FORMATS["f32"])  # what to_hybrid uploads, so what the budget prices
     c, sel = engine.config, engine.selector
     hw = hardware_for(*device_identity())
     if vram_budget is not None and vram_budget * GiB > hw.vram_bytes:

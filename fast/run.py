@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from fast.load import DEVICES, POLICIES, load_engine
+from ref.common.formats import FORMATS
 from ref.common.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
 from ref.common.errors import UserError
 from ref.common.sampling import Timings, check_prompt, check_sampling
@@ -16,6 +17,8 @@ from ref.common.tokenizer import load_tokenizer
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @sampling_options
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: all cores].")
+@click.option("--type", "type_", type=click.Choice(list(FORMATS)), default=None,
+              help="Weight format to run in [default: as stored; f32 on a GPU]. The CPU kernels read f32, f16, bf16.")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid) [default: 90% of the card].")
 @click.option("--placement", type=click.Path(path_type=Path), default=None, help="Placement file [default: solved for the budget].")
@@ -26,8 +29,8 @@ from ref.common.tokenizer import load_tokenizer
 @click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
 @user_errors
-def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_penalty, ctx_size, threads, device,
-         vram_budget, placement, policy, dense, predictors, predictor_threshold, json_file):
+def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_penalty, ctx_size, threads, type_,
+         device, vram_budget, placement, policy, dense, predictors, predictor_threshold, json_file):
     """Generate text from MODEL_DIR (default: the shipped model) with the numba engine."""
     check_sampling(n_predict, temp, top_k, top_p, min_p, repeat_penalty)
     check_model_dir(model_dir)
@@ -37,14 +40,15 @@ def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_p
         predictors = model_dir / "predictors.safetensors"
     t0 = time.perf_counter()
     engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
-                         threads=threads, predictor_threshold=predictor_threshold, policy=policy)
+                         threads=threads, predictor_threshold=predictor_threshold, policy=policy, type_=type_)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     ids = tok.encode(prompt)
     check_prompt(ids, engine.config, ctx_size)
     seed = resolve_seed(seed)
     mode = f"sparse ({predictors}, threshold {engine.selector.threshold})" if predictors else "dense"
-    click.echo(f"seed = {seed}; {engine.threads} threads; FFN {mode}; kernels ready in {engine.compile_seconds:.2f} s", err=True)
+    click.echo(f"seed = {seed}; {engine.threads} threads; weights {engine.format.name}; FFN {mode}; "
+               f"kernels ready in {engine.compile_seconds:.2f} s", err=True)
     click.echo(prompt, nl=False)
     timings = Timings()
     out = engine.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -54,6 +58,7 @@ def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_p
     if json_file:
         json_file.write_text(json.dumps({
             "load_seconds": load_seconds, "compile_seconds": engine.compile_seconds, "threads": engine.threads,
+            "type": engine.format.name,
             "sparse": bool(predictors), "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
             "eval_tokens": timings.eval_tokens, "eval_seconds": timings.eval_seconds,
             "eval_tok_s": timings.eval_tokens / timings.eval_seconds if timings.eval_seconds else 0.0,

@@ -15,7 +15,7 @@ Dimensions: N rows, n elements per row, B = n / 32 blocks per row.
 import numpy as np
 
 from ref.common.errors import UserError
-from ref.common.formats import Format, format_of
+from ref.common.formats import FORMATS, Format, format_of
 from ref.common.safetensors import BF16, to_bf16_bits, upcast
 
 BLOCK = 32
@@ -111,6 +111,40 @@ def quantize(x: np.ndarray, fmt: str | Format, name: str = "tensor"):
         raise UserError(f"--type {fmt.name}: {name} has rows of {x.shape[-1]} elements, not whole blocks of {fmt.block}")
     blocks = CODECS[fmt.name][0](x.reshape(-1, fmt.block))  # [N B, block_bytes]
     return Quantized(fmt, blocks.reshape(*x.shape[:-1], -1), x.shape)
+
+
+def format_of_blocks(dtype: np.dtype) -> Format:
+    """The format whose block type is `dtype`."""
+    for f in FORMATS.values():
+        if f.dtype == dtype:
+            return f
+    raise ValueError(f"no weight format stores blocks of {dtype}")
+
+
+def blocks(t) -> np.ndarray:
+    """A stored tensor [..., n] (float32 or float16 array, BF16, Quantized) as rows of its format's blocks
+    [..., n / block] (`Format.dtype`), as llama.cpp lays them out; no copy of contiguous rows."""
+    if isinstance(t, Quantized):
+        return t.blocks.view(t.format.dtype)
+    if isinstance(t, BF16):
+        return np.ascontiguousarray(t.bits).view(FORMATS["bf16"].dtype)
+    t = np.asarray(t)
+    if t.dtype == np.float16:
+        return np.ascontiguousarray(t).view(np.uint16).view(FORMATS["f16"].dtype)
+    return np.ascontiguousarray(t, dtype=np.float32)
+
+
+def values(b: np.ndarray) -> np.ndarray:
+    """Rows of blocks [..., B] (any `Format.dtype`) as float32 values [..., n]: what they mean."""
+    fmt = format_of_blocks(b.dtype)
+    b = np.ascontiguousarray(b)
+    if fmt.name == "f32":
+        return b
+    if fmt.name == "f16":
+        return b.view(np.uint16).view(np.float16).astype(np.float32)
+    if fmt.name == "bf16":
+        return BF16(b.view(np.uint16)).astype(np.float32)
+    return Quantized(fmt, b.view(np.uint8), (*b.shape[:-1], b.shape[-1] * fmt.block)).astype(np.float32)
 
 
 def quantize_model(model, fmt: str | Format):

@@ -15,29 +15,32 @@ import numpy as np
 
 from fast.bench import (ReadProbe, SyntheticSelector, bracketed_decode, bytes_per_token, overhead_per_token,
                         predictor_size, random_engine, synthetic_predictors)
-from fast.engine import Selector
+from fast.engine import Selector, convert
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
+from ref.common.formats import FORMATS
 
 
 @click.command()
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="tinyllama-1.1b", show_default=True)
 @click.option("--sparsity", type=float, default=0.9, show_default=True, help="Predicted sparsity: 1 - |P| / F.")
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")
+@click.option("--type", "type_", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
+              help="Weight format of the synthetic model.")
 @click.option("-t", "--threads", type=int, default=None, help="[default: all cores]")
 @click.option("--tokens", type=int, default=16, show_default=True, help="Decode steps per run.")
 @click.option("--runs", type=int, default=7, show_default=True, help="Rounds of --tokens steps each, after one warm-up.")
 @click.option("--probe-gib", type=float, default=1.0, show_default=True, help="Size of one read-bandwidth probe pass.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
+def main(shape, sparsity, layers, type_, threads, tokens, runs, probe_gib, json_file):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
     if runs < 1 or tokens < 1:
         raise click.UsageError("--runs and --tokens must be >= 1")
     cfg = shape_config(shape, layers)
-    engine = random_engine(cfg, threads)
+    engine = convert(random_engine(cfg, threads), FORMATS[type_])
     R = predictor_size(cfg)
     pred = synthetic_predictors(cfg, R)
     selectors = {"dense": Selector(cfg.d_ffn), "sparse": SyntheticSelector(pred, cfg, sparsity)}
@@ -56,7 +59,7 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
     by_bus = np.argsort((around["dense"] + around["sparse"]) / 2)  # steps by the speed of their probe passes
     halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both halves
     overhead = overhead_per_token(cfg, engine.threads)
-    out = {"shape": shape, "layers": cfg.n_layers, "threads": engine.threads, "sparsity": sparsity,
+    out = {"shape": shape, "type": type_, "layers": cfg.n_layers, "threads": engine.threads, "sparsity": sparsity,
            "predictor_hidden": R, "mean_active": selectors["sparse"].mean_active(),
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
            "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in selectors}}
@@ -72,7 +75,7 @@ def main(shape, sparsity, layers, threads, tokens, runs, probe_gib, json_file):
     click.echo("| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |")
     for name, r in results.items():
         t = np.asarray(r["runs"])
-        click.echo(f"| {shape} x{cfg.n_layers} F32 | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | numba-cpu {name} | "
+        click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | numba-cpu {name} | "
                    f"{engine.threads} | tg{tokens} | {t.mean():.2f} ± {t.std():.2f} | {r['tok_s'] * r['bytes_per_token'] / 1e9:.1f} | "
                    f"{r['roofline']:.0%} |")
     click.echo(f"sparse/dense: {out['ratio_sparse_dense']:.2f}x (median of step-by-step token-time ratios; "

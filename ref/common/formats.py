@@ -2,10 +2,13 @@
 
 Names and type ids are llama.cpp's (GGML). Quantized formats pack `block` elements of a row into `block_bytes`
 bytes (Q8_0: an fp16 scale and 32 int8; Q4_0: an fp16 scale and 32 4-bit values), so a row of n elements takes
-n / block blocks; float formats are blocks of one element.
+n / block blocks; float formats are blocks of one element. `dtype` is a block as a numpy type: a row of blocks is an
+array of it, a view of the file's bytes, and numba's kernels specialise on it (ref/quant.py says what the values are).
 """
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from ref.common.errors import UserError
 
@@ -17,6 +20,7 @@ class Format:
     block: int  # elements per block (along a row)
     block_bytes: int  # bytes per block
     vector: str  # format of the vectors that go with such weights (norms, KV cache)
+    dtype: np.dtype  # one block; numpy has no 16-bit floats numba can use, so f16 and bf16 are named uint16 records
     aliases: tuple[str, ...] = ()  # torch_dtype and safetensors names
 
     @property
@@ -38,11 +42,12 @@ class Format:
 
 
 FORMATS = {f.name: f for f in (
-    Format("f32", 0, 1, 4, "f32", ("float32", "F32")),
-    Format("f16", 1, 1, 2, "f16", ("float16", "F16")),
-    Format("bf16", 30, 1, 2, "bf16", ("bfloat16", "BF16")),
-    Format("q8_0", 8, 32, 34, "f16"),  # llama.cpp keeps the KV cache of quantized models in f16
-    Format("q4_0", 2, 32, 18, "f16"),
+    Format("f32", 0, 1, 4, "f32", np.dtype(np.float32), ("float32", "F32")),
+    Format("f16", 1, 1, 2, "f16", np.dtype([("f16", "<u2")]), ("float16", "F16")),
+    Format("bf16", 30, 1, 2, "bf16", np.dtype([("bf16", "<u2")]), ("bfloat16", "BF16")),
+    # llama.cpp keeps the KV cache of quantized models in f16
+    Format("q8_0", 8, 32, 34, "f16", np.dtype([("d", "<u2"), ("qs", "i1", (32,))])),
+    Format("q4_0", 2, 32, 18, "f16", np.dtype([("d", "<u2"), ("qs", "u1", (16,))])),
 )}
 
 

@@ -68,6 +68,10 @@ class BF16:
     def __getitem__(self, index):
         return BF16(self.bits[index])
 
+    @property
+    def T(self) -> "BF16":
+        return BF16(self.bits.T)
+
     def astype(self, dtype) -> np.ndarray:
         return (self.bits.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from fast.cpu import KINDS
 from ref.model import attention as ref_attention
+from ref.quant import blocks, quantize, values
 from ref.model import rmsnorm as ref_rmsnorm
 from ref.model import rope as ref_rope
 from ref.sparse import predicted_set as ref_predicted_set
@@ -20,16 +21,22 @@ def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(F32)
 
 
+def stored(w, fmt):
+    """Weights w [..., n] in a format's kernel storage (its blocks), and the values they mean, in float64."""
+    b = blocks(quantize(w, fmt))
+    return b, values(b).astype(np.float64)
+
+
 def case_rmsnorm(rng, T, D):
     x, w = randn(rng, T, D, scale=3), randn(rng, D)
     out = np.empty_like(x)
     return lambda k: (k.rmsnorm(out, x, w, 1e-5), out)[1], ref_rmsnorm(x, w, 1e-5)
 
 
-def case_matmul(rng, T, N, K):
-    x, w = randn(rng, T, K), randn(rng, N, K)
+def case_matmul(rng, T, N, K, fmt="f32"):
+    x, (w, wv) = randn(rng, T, K), stored(randn(rng, N, K), fmt)
     out = np.empty((T, N), F32)
-    return lambda k: (k.matmul(out, x, w), out)[1], x.astype(np.float64) @ w.T.astype(np.float64)
+    return lambda k: (k.matmul(out, x, w), out)[1], x.astype(np.float64) @ wv.T
 
 
 def rope_tables_for(E, theta=500.0):
@@ -56,9 +63,10 @@ def case_attention(rng, T, S, H, K, E):
             ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.arange(pos0, S)))
 
 
-def case_attention_block(rng, T, S, H, K, E, D):
+def case_attention_block(rng, T, S, H, K, E, D, fmt="f32"):
     """The fast block against ref's rmsnorm, projections, rope and attention; positions before S - T are cached."""
-    h, w, wqkv, wo = randn(rng, T, D), randn(rng, D), randn(rng, (H + 2 * K) * E, D), randn(rng, D, H * E)
+    h, w = randn(rng, T, D), randn(rng, D)
+    (wqkv_b, wqkv), (wo_b, wo) = stored(randn(rng, (H + 2 * K) * E, D), fmt), stored(randn(rng, D, H * E), fmt)
     kc, vc = randn(rng, S + 2, K, E), randn(rng, S + 2, K, E)  # capacity S + 2: the rows after S stay unread
     pos0 = S - T
     cos, sin = rope_tables_for(E)
@@ -70,24 +78,23 @@ def case_attention_block(rng, T, S, H, K, E, D):
     keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
     want = ref_attention(q, keys, values, pos).reshape(T, H * E) @ f64(wo).T  # [T, D]
     out = np.empty((T, D), F32)
-    return lambda k: (k.attention_block(out, h, w, wqkv, wo, kc.copy(), vc.copy(), cos, sin, pos0, 1e-5), out)[1], want
+    return lambda k: (k.attention_block(out, h, w, wqkv_b, wo_b, kc.copy(), vc.copy(), cos, sin, pos0, 1e-5), out)[1], want
 
 
-def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3):
-    x, bundle = randn(rng, D), randn(rng, F, 3, D, scale=0.5)
+def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
+    x, (bundle, bv) = randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
-    want = ref_sparse_ffn(x.astype(np.float64), bundle[:, 0], bundle[:, 1], np.ascontiguousarray(bundle[:, 2].T), active, kind, 0.1,
-                          np.float64)
+    want = ref_sparse_ffn(x.astype(np.float64), bv[:, 0], bv[:, 1], bv[:, 2].T, active, kind, 0.1, np.float64)
     return lambda k: (k.sparse_ffn(out, acc, x, bundle, active, n_active, KINDS[kind], F32(0.1)), out)[1], want
 
 
-def case_ffn_block(rng, F, D, n_active, kind, chunks=3):
-    h, w, bundle = randn(rng, D, scale=3), randn(rng, D), randn(rng, F, 3, D, scale=0.5)
+def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
+    h, w, (bundle, bv) = randn(rng, D, scale=3), randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
     x = ref_rmsnorm(h[None].astype(np.float64), w.astype(np.float64), 1e-5)[0]
-    want = ref_sparse_ffn(x, bundle[:, 0], bundle[:, 1], np.ascontiguousarray(bundle[:, 2].T), active, kind, 0.1, np.float64)
+    want = ref_sparse_ffn(x, bv[:, 0], bv[:, 1], bv[:, 2].T, active, kind, 0.1, np.float64)
     return (lambda k: (k.ffn_block(out, acc, h, w, bundle, active, n_active, KINDS[kind], F32(0.1), 1e-5), out)[1],
             want)
 
@@ -152,11 +159,18 @@ SHAPES = [
     ("ffn_block", dict(F=20, D=8, n_active=20, kind="silu"), False),
     ("ffn_block", dict(F=9, D=5, n_active=0, kind="relu"), False),
     ("ffn_block", dict(F=12, D=9, n_active=5, kind="relu"), True), ("ffn_block", dict(F=6, D=5, n_active=0, kind="relu"), True),
+    # every weight-reading kernel in every format fast.cpu reads
+    *[(name, {**shape, "fmt": fmt}, False) for fmt in ("f16", "bf16") for name, shape in (
+        ("matmul", dict(T=2, N=301, K=9)), ("matmul", dict(T=1, N=7, K=40)),
+        ("sparse_ffn", dict(F=100, D=33, n_active=37, kind="relu")), ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="drelu")),
+        ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")),
+        ("ffn_block", dict(F=50, D=19, n_active=13, kind="fatrelu")),
+        ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33)))],
 ]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
-# share included, so fast.gpu has no predicted_set.
+# share included, so fast.gpu has no predicted_set; and fast.gpu reads float32 weights only, so far.
 CPU_ONLY = {"predicted_set"}
-DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES if n not in CPU_ONLY]  # what fast.gpu runs
+DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES if n not in CPU_ONLY and s.get("fmt", "f32") == "f32"]
 
 
 def case_id(name, shape, sim=False):
@@ -171,4 +185,5 @@ def check_kernel(module, name, shape, rtol=1e-5, seed=None):
     run, want = CASES[name](rng, **shape)
     got = run(module)
     exact = np.issubdtype(np.asarray(want).dtype, np.integer)
-    assert_close(got, want, rtol=0 if exact else rtol, atol=0 if exact else 1e-6, name=f"{module.__name__}.{name}{shape}")
+    # atol: inputs are O(1), so float32 sums carry ~1e-6 absolute error even where a result is near 0 by cancellation
+    assert_close(got, want, rtol=0 if exact else rtol, atol=0 if exact else 1e-5, name=f"{module.__name__}.{name}{shape}")

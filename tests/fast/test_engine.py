@@ -4,9 +4,12 @@ import pytest
 import fast
 import ref
 from fast import Engine, apply_predictors
+from fast.engine import convert
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.errors import UserError
+from ref.common.formats import FORMATS
+from ref.quant import quantize_model
 from tests.helpers import SHIPPED, assert_close, write_model
 
 PROMPTS = ["once upon a time, there was a little girl named lily.", "the dog ran to the park and"]
@@ -133,3 +136,27 @@ def test_bad_batches(small, batch, message):
         with pytest.raises(UserError, match=message):
             engine.forward(batch, cache)
         assert cache.lengths.tolist() == [0] and not np.any(cache.k[0])
+
+
+@pytest.mark.parametrize("dtype, fmt", [("F16", "f16"), ("BF16", "bf16"), ("F32", "f32")])
+def test_checkpoints_run_in_their_stored_format(tmp_path, dtype, fmt):
+    """No float32 copy: the layout keeps the checkpoint's format, and computes what ref computes from it."""
+    d = write_model(tmp_path, dtype=dtype)
+    e = Engine.load(d)
+    assert e.format.name == fmt and e.layers[0].bundle.dtype == FORMATS[fmt].dtype
+    ids = np.array([1, 4, 9, 16, 25])
+    assert_close(e.logits(ids), ref.load_model(d).logits(ids), rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16"])
+def test_convert_is_ref_at_that_format(small, fmt):
+    """--type: the engine's matrices in another format mean what ref.quant says they mean."""
+    ids = np.array([2, 3, 5, 7, 11, 13])
+    e = convert(Engine.load(small), FORMATS[fmt])
+    assert e.format.name == fmt and e.layers[1].wqkv.dtype == FORMATS[fmt].dtype
+    assert_close(e.logits(ids), quantize_model(ref.load_model(small), fmt).logits(ids), rtol=1e-4)
+
+
+def test_quantized_types_refused_before_loading(tmp_path):
+    with pytest.raises(UserError, match="--type q4_0: the fast engine has no kernels for quantized weights yet"):
+        fast.load_engine(tmp_path / "nothing-here", type_="q4_0")

@@ -23,6 +23,12 @@ def test_generates_and_reports(tmp_path):
     assert summary["generated"] == 8 and summary["eval_tok_s"] > 0
 
 
+def test_type_runs_the_weights_in_that_format(tmp_path):
+    r = run("-p", "the cat", "-n", "6", "--temp", "0", "--type", "bf16", "--json", tmp_path / "t.json")
+    assert r.returncode == 0, r.stderr
+    assert "weights bf16" in r.stderr and json.loads((tmp_path / "t.json").read_text())["type"] == "bf16"
+
+
 def test_same_text_as_ref_greedy():
     a = run("-p", "the cat", "-n", "12", "--temp", "0", "--dense")
     b = subprocess.run([sys.executable, "-m", "ref", "-p", "the cat", "-n", "12", "--temp", "0"], capture_output=True,
@@ -38,6 +44,7 @@ def test_same_text_as_ref_greedy():
     (["-t", "0"], "-t/--threads must be in"),
     (["-p", "once upon a time " * 200], "longer than the context"),
     (["--predictors", "/nonexistent.safetensors"], "predictors file not found"),
+    (["--type", "q8_0"], "--type q8_0: the fast engine has no kernels for quantized weights yet"),
 ])
 def test_bad_flags(args, expect):
     r = run(*args)
