@@ -136,7 +136,10 @@ class Engine(Decoder):
             raise UserError(f"{path}: the fast engine has no layout for the {cfg.family} family")
         w = Weights.load(path, cfg)
         fmt = format_of_blocks(blocks(w["embed"][:1]).dtype)
-        layers = [LAYOUTS[cfg.family](w, l, fmt) for l in range(cfg.n_layers)]
+        layers = []
+        for l in range(cfg.n_layers):
+            layers.append(LAYOUTS[cfg.family](w, l, fmt))
+            w.release()  # the layout is a copy: keep one, not the file's pages too
         embed = as_format(w["embed"], fmt)
         lm_head = embed if cfg.tie_word_embeddings else as_format(w["lm_head"], fmt)
         return Engine(cfg, layers, embed, np.ascontiguousarray(upcast(w["norm"], F32)), lm_head, threads, fmt)

@@ -6,6 +6,7 @@ tensors are kept as their raw bits (`BF16`).
 """
 
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -80,6 +81,22 @@ def upcast(t, dtype=np.float32) -> np.ndarray:
     """A stored tensor (a memory-mapped array of any supported dtype, or a stored-format object such as `BF16` whose
     `astype` decodes it) as a compute array; no copy when already `dtype`."""
     return t.astype(dtype, copy=False) if isinstance(t, np.ndarray) else t.astype(dtype)
+
+
+def release(tensors) -> None:
+    """Unmap the pages read so far of the files these memory-mapped tensors live in (they are clean: touched again,
+    they are read again), so that a process copying a checkpoint into a layout of its own holds one copy, not two."""
+    maps = {}
+    for t in tensors:
+        a = t.bits if isinstance(t, BF16) else t
+        while a is not None and not isinstance(a, np.memmap):
+            a = a.base
+        while isinstance(a, np.memmap) and a._mmap is None:  # a view: its base holds the mapping
+            a = a.base
+        if a is not None:
+            maps[id(a._mmap)] = a._mmap
+    for m in maps.values():
+        m.madvise(mmap.MADV_DONTNEED)
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.names import IGNORED_SUFFIXES, expected_shapes, hf_name
-from ref.common.safetensors import BF16, open_safetensors
+from ref.common.safetensors import BF16, open_safetensors, release
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -40,6 +40,10 @@ class Weights:
 
     def __getitem__(self, name: str):
         return self.tensors[name]
+
+    def release(self) -> None:
+        """Drop the checkpoint pages read so far from this process's memory (a loader that copied them calls this)."""
+        release(self.tensors.values())
 
     @staticmethod
     def load(model_dir: str | Path, cfg: ModelConfig) -> "Weights":
