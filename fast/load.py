@@ -6,6 +6,7 @@ kernels. Nothing here is written to disk: a placement solved at load lives in me
 
 from pathlib import Path
 
+from fast import cpu
 from fast.engine import Decoder, Engine, apply_predictors, convert, require_kernels
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
@@ -13,6 +14,12 @@ from placement.place import place, request
 from ref.common.artifacts import load_placement
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, format_of
+
+def kernels_cached() -> bool:
+    """Whether numba's on-disk cache holds fast.cpu's kernels (its index files beside the module): if not, the
+    first load compiles them, which takes about 20 s."""
+    return any((Path(cpu.__file__).parent / "__pycache__").glob("cpu.*.nbi"))
+
 
 DEVICES = ("cpu", "gpu", "hybrid")
 POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style whole layers on the GPU

@@ -6,16 +6,15 @@ from pathlib import Path
 
 import click
 
-from fast.load import DEVICES, POLICIES, load_engine
-from ref.common.formats import FORMATS
-from ref.common.cli import Streamer, check_model_dir, print_timings, resolve_seed, sampling_options, user_errors
+from fast.load import DEVICES, POLICIES, kernels_cached, load_engine
+from ref.common.cli import Generation, finite, generate_session, generation_options, user_errors
 from ref.common.errors import UserError
-from ref.common.sampling import Timings, check_prompt, check_sampling
+from ref.common.formats import FORMATS
 from ref.common.tokenizer import load_tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@sampling_options
+@generation_options
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: all cores].")
 @click.option("--type", "type_", type=click.Choice(list(FORMATS)), default=None,
               help="Weight format to run in [default: as stored; f32 on a GPU]. The CPU kernels read f32, f16, bf16.")
@@ -29,32 +28,34 @@ from ref.common.tokenizer import load_tokenizer
 @click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
 @user_errors
-def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_penalty, ctx_size, threads, type_,
-         device, vram_budget, placement, policy, dense, predictors, predictor_threshold, json_file):
+def main(gen: Generation, threads, type_, device, vram_budget, placement, policy, dense, predictors,
+         predictor_threshold, json_file):
     """Generate text from MODEL_DIR (default: the shipped model) with the numba engine."""
-    check_sampling(n_predict, temp, top_k, top_p, min_p, repeat_penalty)
-    check_model_dir(model_dir)
+    model_dir = gen.check().model_dir
     if dense and predictors is not None:
         raise UserError("--dense and --predictors contradict each other")
+    if device == "cpu":
+        gpu_only = [flag for flag, value in (("--vram-budget", vram_budget), ("--placement", placement),
+                                             ("--policy", policy if policy != "hybrid" else None)) if value is not None]
+        if gpu_only:
+            raise UserError(f"{gpu_only[0]} places weights on a GPU: it needs --device gpu or hybrid")
+    if json_file is not None and not json_file.parent.is_dir():
+        raise UserError(f"--json {json_file}: folder {json_file.parent} does not exist")
+    finite(predictor_threshold, "--predictor-threshold")
     if predictors is None and not dense and (model_dir / "predictors.safetensors").is_file():
         predictors = model_dir / "predictors.safetensors"
+    if not kernels_cached():
+        click.echo("compiling kernels (the first run only, about 20 s)...", err=True)
     t0 = time.perf_counter()
     engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
                          threads=threads, predictor_threshold=predictor_threshold, policy=policy, type_=type_)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
-    ids = tok.encode(prompt)
-    check_prompt(ids, engine.config, ctx_size)
-    seed = resolve_seed(seed)
     mode = f"sparse ({predictors}, threshold {engine.selector.threshold})" if predictors else "dense"
-    click.echo(f"seed = {seed}; {engine.threads} threads; weights {engine.format.name}; FFN {mode}; "
-               f"kernels ready in {engine.compile_seconds:.2f} s", err=True)
-    click.echo(prompt, nl=False)
-    timings = Timings()
-    out = engine.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repeat_penalty=repeat_penalty, seed=seed, ctx_size=ctx_size or None,
-                          on_token=Streamer(tok), timings=timings)
-    print_timings(load_seconds, timings)
+    threads_line = f"{engine.threads} thread{'s' if engine.threads > 1 else ''}"
+    about = (f"; {threads_line}; weights {engine.format.name}; FFN {mode}; "
+             f"kernels ready in {engine.compile_seconds:.2f} s")
+    out, timings = generate_session(engine, tok, gen, load_seconds, about)
     if json_file:
         json_file.write_text(json.dumps({
             "load_seconds": load_seconds, "compile_seconds": engine.compile_seconds, "threads": engine.threads,
@@ -62,7 +63,7 @@ def main(model_dir, prompt, n_predict, seed, temp, top_k, top_p, min_p, repeat_p
             "sparse": bool(predictors), "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
             "eval_tokens": timings.eval_tokens, "eval_seconds": timings.eval_seconds,
             "eval_tok_s": timings.eval_tokens / timings.eval_seconds if timings.eval_seconds else 0.0,
-            "generated": len(out)}, indent=2) + "\n")
+            "generated": len(out), "stop": timings.stop}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

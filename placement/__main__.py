@@ -42,6 +42,8 @@ def min_cpu_option(value: str) -> str | int:
 def main(model_dir, activations, vram_budget, hardware, group, min_cpu_neurons, time_limit, dtype, ctx_size,
          predictors, output, as_json):
     """Place each layer's most frequently firing FFN neurons on the GPU within a VRAM budget."""
+    if not output.parent.is_dir():
+        raise UserError(f"-o/--output {output}: folder {output.parent} does not exist")
     cfg = ModelConfig.from_hf(model_dir)
     hw = load_hardware(hardware)
     fmt = format_of(dtype or cfg.torch_dtype, "--dtype")

@@ -21,7 +21,7 @@ from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="tinyllama-1.1b", show_default=True)
 @click.option("--sparsity", type=float, default=0.9, show_default=True, help="Predicted sparsity: 1 - |P| / F.")
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")

@@ -13,10 +13,11 @@ from numba import cuda
 from fast import gpu
 from fast.bench import SyntheticSelector, predictor_size, random_engine, synthetic_predictors, time_decode
 from fast.engine import Selector
-from fast.hybrid import to_hybrid
+from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
 from placement.synthetic import synthetic_counts
+from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.errors import UserError
 
@@ -54,7 +55,7 @@ def kernel_bandwidths(D: int, F: int, sparsity: float) -> dict:
     return res
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="llama-7b", show_default=True)
 @click.option("--budgets", default="0.1,0.25,0.5,1.0", show_default=True, help="VRAM budgets as shares of the model's bytes.")
 @click.option("--sparsity", default=0.9, show_default=True, help="Predicted sparsity of the synthetic active sets.")
@@ -62,8 +63,10 @@ def kernel_bandwidths(D: int, F: int, sparsity: float) -> dict:
 @click.option("--runs", default=3, show_default=True)
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
+@user_errors
 def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
     """Kernel GB/s vs copy, then hybrid vs layer policy decode tok/s per VRAM budget."""
+    require_gpu("gpu")
     cfg = shape_config(shape)
     kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity)
     base = random_engine(cfg, threads)

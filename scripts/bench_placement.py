@@ -16,7 +16,7 @@ from ref.common.config import shape_config
 from ref.common.errors import UserError
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shapes", default="llama-7b,llama-13b,llama-70b", show_default=True)
 @click.option("--shares", default="0.25,0.5", show_default=True, help="FFN budget as shares of all FFN neurons.")
 @click.option("--group", default=64, show_default=True)

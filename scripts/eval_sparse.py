@@ -16,7 +16,7 @@ from ref.quant import quantize_model
 from ref.sparse import apply_oracle, apply_predictors
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
 @click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding val.txt [default: ../shared/corpus].")

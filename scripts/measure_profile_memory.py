@@ -60,7 +60,7 @@ def write_random_fp16(folder: Path, cfg_dict: dict, cfg) -> None:
     write_safetensors(folder / "model.safetensors", tensors)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", default="llama-7b", show_default=True)
 @click.option("--tokens", default=512, show_default=True, help="Corpus tokens to profile and sample.")
 @click.option("--samples", default=7000, show_default=True, help="Reservoir capacity (tokens per layer).")

@@ -37,7 +37,7 @@ def plot(stats_counts, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: ../shared/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Stop after this many tokens.")

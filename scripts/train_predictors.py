@@ -11,7 +11,7 @@ from ref.predictor import LADDER, TrainSettings, train_all
 from ref.profile import Reservoir, collect_samples, corpus_windows
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: ../shared/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Read at most this many corpus tokens.")
@@ -30,6 +30,8 @@ def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_r
          max_hidden, seed, output):
     """Collect (FFN input, fired mask) samples over a corpus, then train and size one predictor per layer."""
     check_model_dir(model_dir)
+    if max_tokens is not None and max_tokens < 1:
+        raise click.UsageError("--max-tokens must be >= 1 (no tokens, no predictors)")
     if not 0 < target_recall <= 1:
         raise click.UsageError("--target-recall must be in (0, 1]")
     if not 0 < budget <= 1:

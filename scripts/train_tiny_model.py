@@ -217,7 +217,7 @@ def atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Corpus folder with train.txt and val.txt [default: ../shared/corpus].")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=Path("data/tiny-relu-llama"), show_default=True)
 @click.option("--layers", default=6, show_default=True)

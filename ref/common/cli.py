@@ -1,35 +1,121 @@
-"""Pieces shared by `python -m ref` and `python -m fast.run`: llama.cpp's flags, streaming, timing lines, errors."""
+"""Pieces shared by `python -m ref` and `python -m fast.run`: llama.cpp's flags, the generation session (streaming,
+why it stopped, timing lines), one-line errors."""
 
 import functools
+import math
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import click
 
 from ref.common.errors import UserError
-from ref.common.sampling import Timings
+from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-relu-llama"
+DEFAULT_PROMPT = "once upon a time"
 
 
-def sampling_options(f):
-    """llama.cpp's generation flags, names and defaults."""
-    options = [
-        click.argument("model_dir", required=False, type=click.Path(path_type=Path), default=DEFAULT_MODEL),
-        click.option("-p", "--prompt", default="once upon a time", show_default=True, help="Prompt to start from."),
-        click.option("-n", "--n-predict", "n_predict", default=64, show_default=True, type=int, help="Tokens to generate."),
-        click.option("-s", "--seed", default=-1, show_default=True, type=int, help="RNG seed (-1: random)."),
-        click.option("--temp", default=0.8, show_default=True, type=float, help="Temperature (0: greedy)."),
-        click.option("--top-k", default=40, show_default=True, type=int, help="Top-k sampling (0: off)."),
-        click.option("--top-p", default=0.95, show_default=True, type=float, help="Top-p sampling (1: off)."),
-        click.option("--min-p", default=0.05, show_default=True, type=float, help="Min-p sampling (0: off)."),
-        click.option("--repeat-penalty", default=1.0, show_default=True, type=float, help="Penalty on the last 64 tokens (1: off)."),
-        click.option("-c", "--ctx-size", default=0, show_default=True, type=int, help="Context size (0: the model's)."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+@dataclass
+class Generation:
+    """llama.cpp's model, prompt and sampling flags, as one value; `check` validates them (inside `user_errors`)."""
+
+    model_dir: Path | None
+    model: Path | None
+    prompt: str | None
+    prompt_file: Path | None
+    n_predict: int
+    seed: int
+    temp: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    ctx_size: int
+    ignore_eos: bool
+
+    def check(self) -> "Generation":
+        """The flags checked, the model folder resolved (MODEL_DIR or -m), the prompt read (-p or -f)."""
+        check_sampling(self.n_predict, self.temp, self.top_k, self.top_p, self.min_p, self.repeat_penalty,
+                       self.repeat_last_n)
+        if self.seed < -1:
+            raise UserError(f"-s/--seed must be >= 0, or -1 (random), got {self.seed}")
+        if self.model_dir is not None and self.model is not None and self.model_dir != self.model:
+            raise UserError(f"MODEL_DIR {self.model_dir} and -m/--model {self.model} name two models")
+        self.model_dir = self.model_dir or self.model or DEFAULT_MODEL
+        check_model_dir(self.model_dir)
+        if self.prompt is not None and self.prompt_file is not None:
+            raise UserError("-p/--prompt and -f/--file both give a prompt: pass one")
+        if self.prompt_file is not None:
+            if not self.prompt_file.is_file():
+                raise UserError(f"-f/--file {self.prompt_file}: no such file")
+            self.prompt = self.prompt_file.read_text(encoding="utf-8", errors="replace")
+        self.prompt = DEFAULT_PROMPT if self.prompt is None else self.prompt
+        return self
+
+    def sampling(self) -> dict:
+        """The keyword arguments of `generate` these flags set."""
+        return dict(temperature=self.temp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+                    ctx_size=self.ctx_size or None, ignore_eos=self.ignore_eos)
+
+
+GENERATION_FLAGS = [
+    click.argument("model_dir", required=False, type=click.Path(path_type=Path)),
+    click.option("-m", "--model", type=click.Path(path_type=Path), default=None,
+                 help="Model folder, as MODEL_DIR [default: the shipped model]."),
+    click.option("-p", "--prompt", default=None, help=f"Prompt to start from [default: {DEFAULT_PROMPT!r}]."),
+    click.option("-f", "--file", "prompt_file", type=click.Path(path_type=Path), default=None,
+                 help="Read the prompt from this file."),
+    click.option("-n", "--n-predict", "n_predict", default=64, show_default=True, type=int,
+                 help="Tokens to generate (-1: until EOS or a full context)."),
+    click.option("-s", "--seed", default=-1, show_default=True, type=int, help="RNG seed (-1: random)."),
+    click.option("--temp", default=0.8, show_default=True, type=float, help="Temperature (0: greedy)."),
+    click.option("--top-k", default=40, show_default=True, type=int, help="Top-k sampling (0: off)."),
+    click.option("--top-p", default=0.95, show_default=True, type=float, help="Top-p sampling (1: off)."),
+    click.option("--min-p", default=0.05, show_default=True, type=float, help="Min-p sampling (0: off)."),
+    click.option("--repeat-penalty", default=1.0, show_default=True, type=float, help="Repeat penalty (1: off)."),
+    click.option("--repeat-last-n", default=REPEAT_LAST_N, show_default=True, type=int,
+                 help="Tokens the repeat penalty looks back over (0: off, -1: the whole context)."),
+    click.option("-c", "--ctx-size", default=0, show_default=True, type=int, help="Context size (0: the model's)."),
+    click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-text token."),
+]
+
+
+def generation_options(f):
+    """llama.cpp's generation flags, names and defaults; the command receives them as `gen`, a `Generation`."""
+    names = [x.name for x in fields(Generation)]
+
+    @functools.wraps(f)
+    def wrapper(**kwargs):
+        return f(Generation(**{n: kwargs.pop(n) for n in names}), **kwargs)
+
+    for option in reversed(GENERATION_FLAGS):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def generate_session(engine, tok, gen: Generation, load_seconds: float, about: str = "") -> tuple[list[int], Timings]:
+    """llama.cpp's session: the seed line, the prompt and the text as it comes, why it stopped (` [end of text]` at
+    EOS, a note at a full context), then the timing lines, also when Ctrl-C cuts it short."""
+    ids = tok.encode(gen.prompt)
+    check_prompt(ids, engine.config, gen.ctx_size)
+    seed = resolve_seed(gen.seed)
+    click.echo(f"seed = {seed}{about}", err=True)
+    click.echo(gen.prompt, nl=False)
+    timings = Timings()
+    try:
+        out = generate(engine, ids, gen.n_predict, seed=seed, on_token=Streamer(tok), timings=timings, **gen.sampling())
+    except KeyboardInterrupt:
+        print_timings(load_seconds, timings)
+        raise
+    click.echo(" [end of text]" if timings.stop == "eos" else "")
+    if timings.stop == "context":
+        click.echo(f"context full ({len(ids) + len(out)} tokens): stopped (-c/--ctx-size sets it)", err=True)
+    print_timings(load_seconds, timings)
+    return out, timings
 
 
 def user_errors(f):
@@ -56,6 +142,12 @@ def check_model_dir(path: Path) -> None:
 
 def resolve_seed(seed: int) -> int:
     return int(time.time_ns() % 2**31) if seed < 0 else seed
+
+
+def finite(value: float | None, flag: str) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise UserError(f"{flag} must be a finite number, got {value}")
+    return value
 
 
 class Streamer:

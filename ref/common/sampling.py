@@ -15,10 +15,13 @@ from ref.common.errors import UserError
 REPEAT_LAST_N = 64  # llama.cpp's default window for the repeat penalty
 
 
-def check_sampling(max_new_tokens=0, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0) -> None:
+def check_sampling(max_new_tokens=0, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+                   repeat_last_n=REPEAT_LAST_N) -> None:
     """One-line errors naming the CLI flag for out-of-range sampling settings."""
-    if max_new_tokens < 0:
-        raise UserError(f"-n/--n-predict must be >= 0, got {max_new_tokens}")
+    if max_new_tokens < -1:
+        raise UserError(f"-n/--n-predict must be >= 0, or -1 (until EOS or a full context), got {max_new_tokens}")
+    if repeat_last_n < -1:
+        raise UserError(f"--repeat-last-n must be >= 0, or -1 (the whole context), got {repeat_last_n}")
     if not temperature >= 0:
         raise UserError(f"--temp must be >= 0, got {temperature}")
     if top_k < 0:
@@ -48,12 +51,13 @@ def check_fits(n_tokens: int, ctx: int) -> None:
         raise UserError(f"prompt of {n_tokens} tokens is longer than the context ({ctx})")
 
 
-def apply_repeat_penalty(logits: np.ndarray, history, penalty: float) -> np.ndarray:
-    """Divide positive, multiply negative logits of tokens seen in the last REPEAT_LAST_N (CTRL's penalty)."""
-    if penalty == 1.0 or not len(history):
+def apply_repeat_penalty(logits: np.ndarray, history, penalty: float, last_n: int = REPEAT_LAST_N) -> np.ndarray:
+    """Divide positive, multiply negative logits of tokens seen in the last `last_n` (CTRL's penalty; -1: all)."""
+    window = history if last_n < 0 else history[len(history) - last_n:]
+    if penalty == 1.0 or not len(window):
         return logits
     out = logits.copy()
-    seen = np.unique(np.asarray(history[-REPEAT_LAST_N:], dtype=np.int64))
+    seen = np.unique(np.asarray(window, dtype=np.int64))
     out[seen] = np.where(out[seen] > 0, out[seen] / penalty, out[seen] * penalty)
     return out
 
@@ -64,9 +68,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, history, rng: np.random.Generator, temperature=0.0, top_k=40, top_p=0.95,
-           min_p=0.05, repeat_penalty=1.0) -> int:
+           min_p=0.05, repeat_penalty=1.0, repeat_last_n=REPEAT_LAST_N) -> int:
     """One token id from logits [V]; temperature 0 is greedy (argmax after the repeat penalty)."""
-    logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float64), history, repeat_penalty)  # [V]
+    logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float64), history, repeat_penalty, repeat_last_n)  # [V]
     if temperature == 0:
         return int(np.argmax(logits))
     order = np.argsort(-logits, kind="stable")  # candidates, most likely first
@@ -91,39 +95,47 @@ class Timings:
     prompt_seconds: float = 0.0
     eval_tokens: int = 0
     eval_seconds: float = 0.0
+    stop: str = ""  # why generation ended: "eos", "length" (-n reached) or "context" (the context is full)
 
 
 def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
-             seed=None, ctx_size=None, on_token=None, timings: Timings | None = None) -> list[int]:
-    """New token ids after the prompt `ids`; stops at EOS (not returned), `max_new_tokens`, or when prompt and
-    output fill the context.
+             seed=None, ctx_size=None, on_token=None, timings: Timings | None = None, repeat_last_n=REPEAT_LAST_N,
+             ignore_eos=False) -> list[int]:
+    """New token ids after the prompt `ids`; stops at EOS (not returned; never with `ignore_eos`), after
+    `max_new_tokens` (-1: no limit), or when prompt and output fill the context. `timings.stop` says which.
 
     `model` is any engine with `config`, `new_cache(capacity)` and `forward(batch, cache) -> logits [T, V]`.
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
     cfg = model.config
     ctx = check_prompt(ids, cfg, ctx_size)
     ids = [int(i) for i in ids]
-    if max_new_tokens == 0:
-        return []
     timings = timings if timings is not None else Timings()
+    if max_new_tokens == 0:
+        timings.stop = "length"
+        return []
+    limit = ctx - len(ids) if max_new_tokens < 0 else max_new_tokens
     rng = np.random.default_rng(seed)
-    cache = model.new_cache(min(ctx, len(ids) + max_new_tokens))
+    cache = model.new_cache(min(ctx, len(ids) + limit))
     t0 = time.perf_counter()
     logits = model.forward(Batch.single(ids, cache), cache)[-1]  # [V]
     timings.prompt_tokens, timings.prompt_seconds = len(ids), time.perf_counter() - t0
     out: list[int] = []
     t0 = time.perf_counter()
-    while True:
-        tok = sample(logits, ids + out, rng, temperature, top_k, top_p, min_p, repeat_penalty)
-        if tok in cfg.eos_token_ids:
-            break
-        out.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if len(out) == max_new_tokens or len(ids) + len(out) == ctx:
-            break
-        logits = model.forward(Batch.single([tok], cache), cache)[-1]
-        timings.eval_tokens += 1
-    timings.eval_seconds = time.perf_counter() - t0
+    try:
+        while True:
+            tok = sample(logits, ids + out, rng, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+            if tok in cfg.eos_token_ids and not ignore_eos:
+                timings.stop = "eos"
+                break
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if len(ids) + len(out) == ctx or len(out) == limit:
+                timings.stop = "context" if len(ids) + len(out) == ctx else "length"
+                break
+            logits = model.forward(Batch.single([tok], cache), cache)[-1]
+            timings.eval_tokens += 1
+    finally:  # Ctrl-C too: the timing lines report what ran
+        timings.eval_seconds = time.perf_counter() - t0
     return out

@@ -47,7 +47,7 @@ def broken_copy(tmp_path, how):
 
 @pytest.mark.parametrize("args, expect", [
     (["/nonexistent/model"], "no such folder"),
-    (["-n", "-1"], "-n/--n-predict must be >= 0"),
+    (["-n", "-2"], "-n/--n-predict must be >= 0, or -1"),
     (["--temp", "-1"], "--temp must be >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
@@ -81,3 +81,12 @@ def test_missing_tensor_named(tmp_path):
     shutil.copy(SHIPPED / "tokenizer.json", d)
     r = run(d, "-n", "2")
     assert r.returncode == 1 and "missing 1 tensor(s), first model.norm.weight" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("script", ["profile", "train_predictors", "eval_sparse", "bench", "bench_placement",
+                                    "bench_gpu", "measure_profile_memory"])
+def test_every_script_has_dash_h(script):
+    from tests.helpers import load_script
+    from click.testing import CliRunner
+    r = CliRunner().invoke(load_script(script).main, ["-h"])
+    assert r.exit_code == 0 and "Usage:" in r.output

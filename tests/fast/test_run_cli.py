@@ -38,7 +38,7 @@ def test_same_text_as_ref_greedy():
 
 @pytest.mark.parametrize("args, expect", [
     (["/nonexistent/model"], "no such folder"),
-    (["-n", "-1"], "-n/--n-predict must be >= 0"),
+    (["-n", "-2"], "-n/--n-predict must be >= 0, or -1"),
     (["--temp", "-1"], "--temp must be >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["-t", "0"], "-t/--threads must be in"),
@@ -68,3 +68,38 @@ def test_gpu_device_without_gpu(device):
     r = run("--device", device, "-n", "2", env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert f"--device {device}: no CUDA GPU found" in r.stderr
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--vram-budget", "1"], "--vram-budget places weights on a GPU: it needs --device gpu or hybrid"),
+    (["--policy", "layers"], "--policy places weights on a GPU"),
+    (["--json", "/nonexistent/dir/t.json"], "--json /nonexistent/dir/t.json: folder /nonexistent/dir does not exist"),
+    (["--predictor-threshold", "nan"], "--predictor-threshold must be a finite number, got nan"),
+    (["-s", "-5"], "-s/--seed must be >= 0, or -1 (random), got -5"),
+    (["-f", "/nonexistent.txt"], "-f/--file /nonexistent.txt: no such file"),
+    (["-p", "x", "-f", __file__], "-p/--prompt and -f/--file both give a prompt"),
+    (["--repeat-last-n", "-3"], "--repeat-last-n must be >= 0, or -1"),
+    ([str(SHIPPED), "-m", "/tmp"], "name two models"),
+])
+def test_bad_flags_refused_before_loading(args, expect):
+    r = run(*args, "-n", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and expect in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_llamacpp_habits(tmp_path):
+    """-m and -f as llama.cpp has them, ` [end of text]` at EOS, stdout ending with a newline, `python -m fast`."""
+    (tmp_path / "prompt.txt").write_text("the end")
+    a = run("-m", SHIPPED, "-f", tmp_path / "prompt.txt", "-n", "-1", "--temp", "0")
+    assert a.returncode == 0 and a.stdout == "the end [end of text]\n"  # the shipped model ends a story there
+    b = run("-p", "the end", "-n", "5", "--temp", "0", "--ignore-eos")
+    assert b.returncode == 0 and b.stdout.startswith("the end") and len(b.stdout) > len("the end\n")
+    c = subprocess.run([sys.executable, "-m", "fast", "-p", "once upon a time", "-n", "4", "--temp", "0"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert c.returncode == 0 and c.stdout.startswith("once upon a time") and c.stdout.endswith("\n")
+    assert "2 threads" in c.stderr or "1 thread;" in c.stderr
+
+
+def test_context_full_is_said(tmp_path):
+    r = run("-p", "once upon a time", "-n", "-1", "--temp", "0", "-c", "20", "--json", tmp_path / "t.json")
+    assert r.returncode == 0 and "context full (20 tokens)" in r.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["stop"] == "context"

@@ -74,7 +74,8 @@ def test_context_full_stops(small):
 
 
 @pytest.mark.parametrize("kw, flag", [
-    (dict(max_new_tokens=-1), "-n/--n-predict"),
+    (dict(max_new_tokens=-2), "-n/--n-predict"),
+    (dict(repeat_last_n=-2), "--repeat-last-n"),
     (dict(temperature=-0.1), "--temp"),
     (dict(top_p=0.0), "--top-p"),
     (dict(top_p=1.5), "--top-p"),
@@ -90,3 +91,23 @@ def test_bad_sampling_settings(kw, flag):
 def test_prompt_longer_than_context(small):
     with pytest.raises(UserError, match="longer than the context"):
         ref.generate(small, [1] * 65, 1)
+
+
+def test_repeat_last_n_window():
+    logits = np.array([2.0, 2.0, 2.0])
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1], 2.0, last_n=1), [2.0, 1.0, 2.0])
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1], 2.0, last_n=0), [2.0, 2.0, 2.0])
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1], 2.0, last_n=-1), [1.0, 1.0, 2.0])
+
+
+def test_stop_reasons_and_ignore_eos(tmp_path):
+    from ref.common.sampling import Timings
+    m = ref.load_model(write_model(tmp_path, {"eos_token_id": 2}))
+    greedy = int(np.argmax(m.logits(np.array([1, 3]))[-1]))
+    m2 = ref.load_model(write_model(tmp_path / "b", {"eos_token_id": greedy}))
+    t = Timings()
+    assert ref.generate(m2, [1, 3], 10, timings=t) == [] and t.stop == "eos"
+    t = Timings()
+    assert len(ref.generate(m2, [1, 3], 4, timings=t, ignore_eos=True)) == 4 and t.stop == "length"
+    t = Timings()
+    assert len(ref.generate(m2, [1, 3], -1, timings=t, ignore_eos=True, ctx_size=9)) == 7 and t.stop == "context"

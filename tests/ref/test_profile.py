@@ -155,3 +155,26 @@ def test_firing_stats():
     s = firing_stats(counts, 100)
     assert s[0]["neurons_for_80pct"] == 0.01 and s[0]["top1pct_share"] == 1.0
     assert s[1]["neurons_for_80pct"] == 0.8 and abs(s[1]["fired_fraction"] - 0.01) < 1e-12
+
+
+def test_progress_into_a_file_is_plain_lines():
+    import io
+
+    from ref.common.progress import Progress
+    out = io.StringIO()
+    p = Progress("profile", 4.0, stream=out, every=0)
+    p.update(1)
+    p.update(1)
+    p.close()
+    lines = out.getvalue().split("\n")
+    assert "\r" not in out.getvalue() and lines[-1] == "" and lines[-2].startswith("profile: 2 tokens")
+    assert "100%" in lines[-2] and "tokens/s" in lines[0]
+
+
+def test_saved_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_save(tmp_path / "a.safetensors", {"x": np.zeros(3)}, {})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o644
