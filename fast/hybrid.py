@@ -223,14 +223,14 @@ class HybridEngine(Decoder):
         return logits.copy_to_host()
 
 
-def require_gpu(device: str) -> None:
+def require_gpu(who: str) -> None:
     if not cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA GPU found (numba.cuda.is_available() is False)")
+        raise UserError(f"{who}: no CUDA GPU found (numba.cuda.is_available() is False)")
 
 
 def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray], dense_on_gpu=None) -> HybridEngine:
     """Apply a placement: per-layer GPU neuron ids and the dense parts on the GPU (default: all of them)."""
-    require_gpu("hybrid")
+    require_gpu("the hybrid engine")
     c = engine.config
     if len(gpu_neurons) != c.n_layers:
         raise UserError(f"placement: need GPU neuron ids for each of the {c.n_layers} layers, got {len(gpu_neurons)}")

@@ -56,7 +56,7 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
 def place_on_gpu(engine: Engine, model_dir: Path, device: str, placement=None, vram_budget: float | None = None,
                  policy: str = "hybrid"):
     """Budget the card, take the placement (a file, llama.cpp's whole layers, or PowerInfer's ILP) and apply it."""
-    require_gpu(device)
+    require_gpu(f"--device {device}")
     convert(engine, FORMATS["f32"])  # what to_hybrid uploads, so what the budget prices
     c, sel = engine.config, engine.selector
     hw = hardware_for(*device_identity())

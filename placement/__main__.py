@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ref.common.artifacts import load_activations, predictor_params, save_placement
-from ref.common.cli import user_errors
+from ref.common.cli import output_file, user_errors
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import format_of
@@ -36,14 +36,14 @@ def min_cpu_option(value: str) -> str | int:
               "[default: config's torch_dtype].")
 @click.option("-c", "--ctx-size", type=int, default=0, help="KV cache tokens [default: the model's context].")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="Predictors file (their bytes are budgeted).")
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True)
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="placement.safetensors to write.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of the table.")
 @user_errors
 def main(model_dir, activations, vram_budget, hardware, group, min_cpu_neurons, time_limit, dtype, ctx_size,
-         predictors, output, as_json):
+         predictors, output, force, as_json):
     """Place each layer's most frequently firing FFN neurons on the GPU within a VRAM budget."""
-    if not output.parent.is_dir():
-        raise UserError(f"-o/--output {output}: folder {output.parent} does not exist")
+    output_file(output, force)
     cfg = ModelConfig.from_hf(model_dir)
     hw = load_hardware(hardware)
     fmt = format_of(dtype or cfg.torch_dtype, "--dtype")
@@ -66,7 +66,7 @@ def main(model_dir, activations, vram_budget, hardware, group, min_cpu_neurons, 
     counts = load_activations(activations, cfg.n_layers, cfg.d_ffn)[0]
     click.echo(f"budget {plan.budget_bytes / 2**30:.3f} GiB on {hw.name}: headroom {plan.headroom_bytes / 2**20:.1f} MiB, "
                f"dense on GPU {sum(b for _, b in plan.on_gpu) / 2**20:.1f} MiB ({len(plan.on_gpu)} parts), "
-               f"left on CPU: {', '.join(n for n, _ in plan.on_cpu) or 'nothing'}")
+               f"dense parts left on the CPU: {', '.join(n for n, _ in plan.on_cpu) or 'none'}")
     click.echo(f"FFN budget {plan.ffn_budget_bytes / 2**20:.1f} MiB = {plan.ffn_budget_bytes // plan.neuron_bytes:,} neurons "
                f"of {plan.neuron_bytes:,} bytes; C_l = {p.min_cpu_neurons[0] if p.min_cpu_neurons else 0}")
     click.echo("layer | GPU neurons | share of F | share of firings")

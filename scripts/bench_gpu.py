@@ -66,7 +66,7 @@ def kernel_bandwidths(D: int, F: int, sparsity: float) -> dict:
 @user_errors
 def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
     """Kernel GB/s vs copy, then hybrid vs layer policy decode tok/s per VRAM budget."""
-    require_gpu("gpu")
+    require_gpu("scripts/bench_gpu.py")
     cfg = shape_config(shape)
     kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity)
     base = random_engine(cfg, threads)

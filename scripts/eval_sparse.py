@@ -19,7 +19,7 @@ from ref.sparse import apply_oracle, apply_predictors
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
-@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding val.txt [default: ../shared/corpus].")
+@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding val.txt [default: data/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Score at most this many tokens.")
 @click.option("--window", type=int, default=256, show_default=True)
 @click.option("--predictor-threshold", type=float, default=None, help="Override the stored threshold.")

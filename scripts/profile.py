@@ -5,7 +5,7 @@ from pathlib import Path
 import click
 
 from ref.common.artifacts import save_activations
-from ref.common.cli import check_model_dir, resolve_corpus, user_errors
+from ref.common.cli import check_model_dir, output_file, resolve_corpus, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.model import Model
 from ref.profile import corpus_windows, firing_stats, profile_activations
@@ -17,14 +17,20 @@ def print_table(stats: list[dict]) -> None:
         click.echo(f"{s['layer']:5d} | {s['fired_fraction']:15.1%} | {s['neurons_for_80pct']:26.1%} | {s['top1pct_share']:12.1%}")
 
 
-def plot(stats_counts, path: Path) -> None:
+def pyplot():
+    """matplotlib's pyplot (the optional `plot` extra), checked before the profile runs, not after."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import numpy as np
     except ImportError:
-        raise click.UsageError("--plot needs matplotlib: pip install matplotlib") from None
+        raise click.UsageError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    return plt
+
+
+def plot(plt, stats_counts, path: Path) -> None:
+    import numpy as np
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for l, c in enumerate(stats_counts):
         s = np.sort(c)[::-1].astype(float)
@@ -39,26 +45,28 @@ def plot(stats_counts, path: Path) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: ../shared/corpus].")
+@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: data/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Stop after this many tokens.")
 @click.option("--window", type=int, default=256, show_default=True, help="Tokens per forward pass.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/activations.safetensors]")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="activations.safetensors to write.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--plot", "plot_file", type=click.Path(path_type=Path), default=None, help="Draw cumulative firing curves (matplotlib).")
 @user_errors
-def main(model_dir, corpus, max_tokens, window, output, plot_file):
+def main(model_dir, corpus, max_tokens, window, output, force, plot_file):
     """Count, per layer, the tokens on which each FFN neuron fires."""
     check_model_dir(model_dir)
+    output_file(output, force)
+    plt = pyplot() if plot_file else None
     corpus = resolve_corpus(corpus, "train.txt")
     model, tok = Model.load(model_dir), load_tokenizer(model_dir)
     if not 2 <= window <= model.config.max_seq_len:
         raise click.UsageError(f"--window must be in [2, {model.config.max_seq_len}]")
     counts, tokens = profile_activations(model, corpus_windows(tok, corpus, window, max_tokens), max_tokens)
-    output = output or model_dir / "activations.safetensors"
     save_activations(output, counts, tokens, corpus, model_dir)
     print_table(firing_stats(counts, tokens))
     click.echo(f"{tokens:,} tokens profiled; wrote {output}")
     if plot_file:
-        plot(counts, plot_file)
+        plot(plt, counts, plot_file)
         click.echo(f"wrote {plot_file}")
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from ref.common.cli import check_model_dir, resolve_corpus, user_errors
+from ref.common.cli import check_model_dir, output_file, resolve_corpus, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.model import Model
 from ref.predictor import LADDER, TrainSettings, train_all
@@ -13,7 +13,7 @@ from ref.profile import Reservoir, collect_samples, corpus_windows
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: ../shared/corpus].")
+@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: data/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Read at most this many corpus tokens.")
 @click.option("--window", type=int, default=256, show_default=True, help="Tokens per forward pass.")
 @click.option("--samples", type=int, default=60000, show_default=True, help="Reservoir size (tokens kept per layer).")
@@ -24,12 +24,14 @@ from ref.profile import Reservoir, collect_samples, corpus_windows
 @click.option("--pos-weight", type=float, default=TrainSettings.pos_weight, show_default=True, help="BCE weight of firing neurons.")
 @click.option("--max-hidden", type=int, default=LADDER[-1], show_default=True, help="Largest predictor hidden size tried.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="predictors.safetensors to write.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @user_errors
 def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_recall, budget, epochs, pos_weight,
-         max_hidden, seed, output):
+         max_hidden, seed, output, force):
     """Collect (FFN input, fired mask) samples over a corpus, then train and size one predictor per layer."""
     check_model_dir(model_dir)
+    output_file(output, force)
     if max_tokens is not None and max_tokens < 1:
         raise click.UsageError("--max-tokens must be >= 1 (no tokens, no predictors)")
     if not 0 < target_recall <= 1:
@@ -46,7 +48,6 @@ def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_r
     settings = TrainSettings(target_recall=target_recall, budget_fraction=budget, epochs=epochs, pos_weight=pos_weight,
                              seed=seed, ladder=tuple(r for r in LADDER if r <= max_hidden))
     pred, reports = train_all(res, c.n_params, settings)
-    output = output or model_dir / "predictors.safetensors"
     pred.save(output)
     click.echo(f"threshold {pred.threshold}; held-out tokens per layer: {int(len(res.layer(0)[0]) * settings.held_out):,}")
     click.echo("layer | hidden | recall | precision | predicted | fired | tried (hidden, recall)")

@@ -218,8 +218,9 @@ def atomic_write(path: Path, write) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Corpus folder with train.txt and val.txt [default: ../shared/corpus].")
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=Path("data/tiny-relu-llama"), show_default=True)
+@click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Corpus folder with train.txt and val.txt [default: data/corpus].")
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Model folder to write.")
+@click.option("--force", is_flag=True, help="Write into OUT even if it holds files (the shipped model's folder, say).")
 @click.option("--layers", default=6, show_default=True)
 @click.option("--d-model", default=256, show_default=True)
 @click.option("--ffn", default=1024, show_default=True)
@@ -233,12 +234,14 @@ def atomic_write(path: Path, write) -> None:
 @click.option("--eval-every", default=100, show_default=True)
 @click.option("--seed", default=1234, show_default=True)
 @click.option("--threads", default=os.cpu_count(), show_default=True)
-def main(corpus, out_dir, layers, d_model, ffn, heads, kv_heads, ctx, vocab, batch, steps, lr, eval_every, seed, threads):
+def main(corpus, out_dir, force, layers, d_model, ffn, heads, kv_heads, ctx, vocab, batch, steps, lr, eval_every, seed, threads):
     """Train the tiny ReLU LLaMA and write config.json, model.safetensors (fp16), tokenizer.json, golden.safetensors."""
     settings = dict(layers=layers, d_model=d_model, ffn=ffn, heads=heads, kv_heads=kv_heads, ctx=ctx, vocab=vocab,
                     batch=batch, steps=steps, lr=lr, seed=seed, threads=threads)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise click.UsageError(f"-o/--out {out_dir} holds files: pass --force to write over them")
     if corpus is None:
-        corpus = Path(__file__).resolve().parents[1] / ".." / "shared" / "corpus"
+        corpus = Path(__file__).resolve().parents[1] / "data" / "corpus"
     for name in ("train.txt", "val.txt"):
         if not (corpus / name).is_file():
             raise click.UsageError(f"--corpus: {corpus / name} not found")

@@ -144,6 +144,16 @@ def resolve_seed(seed: int) -> int:
     return int(time.time_ns() % 2**31) if seed < 0 else seed
 
 
+def output_file(path: Path, force: bool, flag: str = "-o/--output") -> Path:
+    """Where a command writes: into a folder that exists, over an existing file only with --force (checked before
+    any work, so that a long run never ends in an error or silently replaces a shipped artifact)."""
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: folder {path.parent} does not exist")
+    if path.exists() and not force:
+        raise UserError(f"{flag} {path} exists: pass --force to replace it")
+    return path
+
+
 def finite(value: float | None, flag: str) -> float | None:
     if value is not None and not math.isfinite(value):
         raise UserError(f"{flag} must be a finite number, got {value}")
@@ -179,15 +189,12 @@ def print_timings(load_seconds: float, t: Timings) -> None:
     click.echo(f"{'total time':>18} = {total * 1e3:10.2f} ms / {t.prompt_tokens + t.eval_tokens:5d} tokens", err=True)
 
 
-SHARED_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "corpus"
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"  # the shipped TinyStories text
 
 
 def resolve_corpus(path: Path | None, split: str) -> Path:
-    """A corpus text file: `path` itself, `path/<split>`, or the shared TinyStories split when it exists."""
-    if path is None:
-        if not SHARED_CORPUS.is_dir():
-            raise UserError(f"--corpus: no default corpus ({SHARED_CORPUS} does not exist); pass --corpus PATH")
-        path = SHARED_CORPUS
+    """A corpus text file: `path` itself, `path/<split>`, or that split of the shipped corpus (data/corpus)."""
+    path = DEFAULT_CORPUS if path is None else path
     file = path / split if path.is_dir() else path
     if not file.is_file():
         raise UserError(f"--corpus: {file} not found")

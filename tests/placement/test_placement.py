@@ -216,3 +216,14 @@ def test_cli_activations_of_another_model(model_and_acts, tmp_path):
     r = run_cli(d, "--activations", tmp_path / "other.safetensors", "--vram-budget", "0.01", "--hardware", "rtx4090",
                 "-o", tmp_path / "p.safetensors")
     assert r.returncode == 1 and "other.safetensors: activations for 1 layers, the model has 2" in r.stderr
+
+
+def test_cli_replaces_a_file_only_with_force(model_and_acts, tmp_path):
+    d, acts = model_and_acts
+    out = tmp_path / "p.safetensors"
+    out.write_bytes(b"precious")
+    args = [d, "--activations", acts, "--vram-budget", "0.01", "--hardware", "rtx4090", "-o", out]
+    r = run_cli(*args)
+    assert r.returncode == 1 and "p.safetensors exists: pass --force to replace it" in r.stderr
+    assert out.read_bytes() == b"precious"
+    assert run_cli(*args, "--force").returncode == 0 and load_placement(out)[0]

@@ -22,3 +22,8 @@ def test_corrupt_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text((SHIPPED / "tokenizer.json").read_text()[:500])
     with pytest.raises(UserError, match="tokenizer.json: not a valid tokenizer file"):
         ref.load_tokenizer(tmp_path)
+
+
+def test_shipped_tokenizer_lowercases(shipped_tokenizer):
+    """The model saw lowercase text only; its tokenizer.json lowercases the input (a normalizer every loader applies)."""
+    assert shipped_tokenizer.encode("Once Upon A TIME") == shipped_tokenizer.encode("once upon a time")

@@ -1,0 +1,26 @@
+"""The offline pipeline's scripts as a user runs them: outputs only where -o says, never over a file without --force,
+the shipped corpus as the default."""
+
+from click.testing import CliRunner
+
+from tests.helpers import SHIPPED, load_script
+
+
+def test_profile_writes_where_told_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "a.safetensors"
+    main = load_script("profile").main
+    r = CliRunner().invoke(main, [str(SHIPPED), "-o", str(out), "--max-tokens", "300", "--window", "64"])
+    assert r.exit_code == 0, r.output
+    assert out.is_file() and "305 tokens profiled" in r.output  # 300 of the corpus and a BOS per window of 64
+    again = CliRunner().invoke(main, [str(SHIPPED), "-o", str(out), "--max-tokens", "300"])
+    assert again.exit_code == 1 and "exists: pass --force to replace it" in again.output
+
+
+def test_train_predictors_needs_an_output_and_tokens(tmp_path):
+    main = load_script("train_predictors").main
+    r = CliRunner().invoke(main, [str(SHIPPED)])
+    assert r.exit_code == 2 and "Missing option '-o'" in r.output
+    r = CliRunner().invoke(main, [str(SHIPPED), "-o", str(tmp_path / "p.safetensors"), "--max-tokens", "0"])
+    assert r.exit_code == 2 and "--max-tokens must be >= 1" in r.output
+    r = CliRunner().invoke(main, [str(SHIPPED), "-o", str(tmp_path / "no" / "p.safetensors")])
+    assert r.exit_code == 1 and "folder" in r.output and "does not exist" in r.output
