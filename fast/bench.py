@@ -3,7 +3,10 @@
 Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V vocab, L layers, R predictor hidden.
 """
 
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -110,6 +113,19 @@ def bracketed_decode(engine: Engine, selectors: dict, probe: ReadProbe, tokens: 
             probes.append(probe())
             out[name]["around"].append((probes[-2] + probes[-1]) / 2)
     return {**out, "probes": probes}
+
+
+@contextmanager
+def busy_cores(n: int):
+    """n processes spinning on the CPU while the block runs: a machine something else uses too (bench.py --busy)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)  # let them start spinning before anything measures the cores
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def bytes_per_token(engine: Engine, active_neurons: float, selector: Selector) -> float:

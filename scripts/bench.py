@@ -13,8 +13,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from fast.bench import (ReadProbe, SyntheticSelector, bracketed_decode, bytes_per_token, overhead_per_token,
-                        predictor_size, random_engine, synthetic_predictors)
+from fast.bench import (ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
+                        overhead_per_token, predictor_size, random_engine, synthetic_predictors)
 from fast.engine import Selector, convert
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
@@ -27,14 +27,21 @@ from ref.common.formats import FORMATS
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")
 @click.option("--type", "type_", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
               help="Weight format of the synthetic model.")
-@click.option("-t", "--threads", type=int, default=None, help="[default: all cores]")
+@click.option("-t", "--threads", type=int, default=None, help="[default: the cores other processes leave idle]")
+@click.option("--busy", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Run this many spinning processes beside the benchmark (a machine something else uses).")
 @click.option("--tokens", type=int, default=16, show_default=True, help="Decode steps per run.")
 @click.option("--runs", type=int, default=7, show_default=True, help="Rounds of --tokens steps each, after one warm-up.")
 @click.option("--probe-gib", type=float, default=1.0, show_default=True, help="Size of one read-bandwidth probe pass.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, sparsity, layers, type_, threads, tokens, runs, probe_gib, json_file):
+def main(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, json_file):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
+    with busy_cores(busy):
+        run(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, json_file)
+
+
+def run(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, json_file):
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
     if runs < 1 or tokens < 1:
@@ -59,7 +66,8 @@ def main(shape, sparsity, layers, type_, threads, tokens, runs, probe_gib, json_
     by_bus = np.argsort((around["dense"] + around["sparse"]) / 2)  # steps by the speed of their probe passes
     halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both halves
     overhead = overhead_per_token(cfg, engine.threads)
-    out = {"shape": shape, "type": type_, "layers": cfg.n_layers, "threads": engine.threads, "sparsity": sparsity,
+    out = {"shape": shape, "type": type_, "layers": cfg.n_layers, "threads": engine.threads, "busy": busy,
+           "sparsity": sparsity,
            "predictor_hidden": R, "mean_active": selectors["sparse"].mean_active(),
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
            "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in selectors}}
@@ -70,7 +78,7 @@ def main(shape, sparsity, layers, type_, threads, tokens, runs, probe_gib, json_
     size_gib = nbytes["dense"] / 2**30
     click.echo(f"read bandwidth: {out['read_bandwidth_gbs']:.1f} GB/s (median of {len(probes)} probe passes of "
                f"{probe.a.nbytes / 2**30:.2f} GiB between the tokens; best {out['read_peak_gbs']:.1f}); roofline = a token's "
-               "bytes/s over the passes either side of it, median over tokens")
+               f"bytes/s over the passes either side of it, median over tokens; {busy} busy processes beside it")
     click.echo("| model | size | params | backend | threads | test | t/s | GB/s | roofline |")
     click.echo("| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |")
     for name, r in results.items():

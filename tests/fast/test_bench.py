@@ -38,3 +38,14 @@ def test_synthetic_sets_have_the_asked_size(sparsity):
     assert abs(selector.mean_active() / cfg.d_ffn - (1 - sparsity)) < 0.02
     s = selector.pick(0, np.ones(cfg.d_ffn, np.float32))
     assert np.all(np.diff(s) > 0) and s.dtype == np.int32 and len(s) < cfg.d_ffn
+
+
+def test_bench_beside_busy_processes(tmp_path):
+    """--busy: spinning processes beside the run, and the default thread count leaves their core alone."""
+    import os
+    r = CliRunner().invoke(load_script("bench").main, ["--shape", "micro", "--tokens", "1", "--runs", "1", "--busy", "1",
+                                                       "--probe-gib", "0.01", "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert out["busy"] == 1 and out["threads"] <= max(1, len(os.sched_getaffinity(0)) - 1)
+    assert "1 busy processes beside it" in r.output
