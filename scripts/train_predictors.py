@@ -43,16 +43,24 @@ def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_r
     c = model.config
     per = Reservoir.bytes_per_sample(c.n_layers, c.d_model, c.d_ffn)
     capacity = max(1, min(samples, int(sample_memory * 2**30) // per))
-    click.echo(f"reservoir: {capacity:,} tokens x {c.n_layers} layers ({capacity * per / 2**30:.2f} GiB)")
+    click.echo(f"reservoir: room for {capacity:,} tokens x {c.n_layers} layers ({capacity * per / 2**30:.2f} GiB)")
     res = collect_samples(model, corpus_windows(tok, corpus, window, max_tokens), capacity, seed, max_tokens)
+    kept = min(res.seen, res.capacity)
+    click.echo(f"sampled {kept:,} of the corpus' {res.seen:,} tokens per layer")
     settings = TrainSettings(target_recall=target_recall, budget_fraction=budget, epochs=epochs, pos_weight=pos_weight,
                              seed=seed, ladder=tuple(r for r in LADDER if r <= max_hidden))
     pred, reports = train_all(res, c.n_params, settings)
     pred.save(output)
-    click.echo(f"threshold {pred.threshold}; held-out tokens per layer: {int(len(res.layer(0)[0]) * settings.held_out):,}")
+    click.echo(f"threshold {pred.threshold}; held-out tokens per layer: {max(1, int(kept * settings.held_out)):,}")
     click.echo("layer | hidden | recall | precision | predicted | fired | tried (hidden, recall)")
     for r in reports:
-        click.echo(f"{r.layer:5d} | {r.R:6d} | {r.recall:6.3f} | {r.precision:9.3f} | {r.predicted:9.1%} | {r.fired:5.1%} | {r.tried}")
+        missed = "  below --target-recall" if r.recall < target_recall else ""
+        click.echo(f"{r.layer:5d} | {r.R:6d} | {r.recall:6.3f} | {r.precision:9.3f} | {r.predicted:9.1%} | {r.fired:5.1%} | "
+                   f"{r.tried}{missed}")
+    below = sum(r.recall < target_recall for r in reports)
+    if below:
+        click.echo(f"{below} of {len(reports)} layers below --target-recall {target_recall} (more tokens, --max-hidden "
+                   "or --budget may reach it)")
     share = pred.n_params / c.n_params
     click.echo(f"predictor parameters: {pred.n_params:,} ({share:.1%} of the model's {c.n_params:,}); wrote {output}")
 

@@ -24,3 +24,13 @@ def test_train_predictors_needs_an_output_and_tokens(tmp_path):
     assert r.exit_code == 2 and "--max-tokens must be >= 1" in r.output
     r = CliRunner().invoke(main, [str(SHIPPED), "-o", str(tmp_path / "no" / "p.safetensors")])
     assert r.exit_code == 1 and "folder" in r.output and "does not exist" in r.output
+
+
+def test_train_predictors_reports_what_it_sampled(tmp_path):
+    out = tmp_path / "p.safetensors"
+    r = CliRunner().invoke(load_script("train_predictors").main, [
+        str(SHIPPED), "-o", str(out), "--max-tokens", "400", "--window", "64", "--epochs", "1", "--max-hidden", "16",
+        "--target-recall", "0.999"])
+    assert r.exit_code == 0, r.output
+    assert "sampled 407 of the corpus' 407 tokens per layer" in r.output  # 400 and a BOS per window of 64
+    assert "below --target-recall" in r.output and out.is_file()
