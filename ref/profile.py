@@ -15,39 +15,61 @@ from ref.common.progress import Progress
 from ref.model import Model, ffn_activation, fired, require_sparse
 
 CHUNK_BYTES = 1 << 20
+DOC_SEPARATOR = "<|endoftext|>"  # the corpus' document separator: a boundary between stories, never text
 
 
-def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = None):
-    """Yield (ids [<= window], fraction of the file read): BOS then up to window-1 corpus tokens."""
+def corpus_tokens(tokenizer, path: Path):
+    """Yield (token ids, fraction of the file read): the corpus as the model was trained on it, each document (the
+    text between DOC_SEPARATORs, stripped) as BOS, its tokens, EOS. Streams: a document longer than a few chunks is
+    sent in pieces, BOS before its first only."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: corpus file not found")
     size = max(path.stat().st_size, 1)
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    body = window - len(bos)
-    buf: list[int] = []
-    sent = encoded = read = 0
+    bos, eos = [tokenizer.bos_id] if tokenizer.bos_id is not None else [], list(tokenizer.eos_ids[:1])
+
+    def text_ids(text: str, first: bool) -> list[int]:
+        ids = tokenizer.encode(text)[len(bos):]
+        return bos + ids if first else ids
+
+    pending, read, open_doc = "", 0, False
     with open(path, encoding="utf-8", errors="replace") as f:
         while True:
             text = f.read(CHUNK_BYTES)
-            if text:
-                text += f.readline()  # end the chunk at a line boundary so no word is split
-                read += len(text.encode("utf-8"))
-                ids = tokenizer.encode(text)[len(bos):]
-                buf.extend(ids)
-                encoded += len(ids)
-            while len(buf) >= body or (not text and buf):
-                n = min(body, len(buf))
-                if max_tokens is not None:
-                    n = min(n, max_tokens - sent)
-                done = (sent + n) / encoded * read / size  # bytes behind the tokens sent so far, as a file fraction
-                yield np.asarray(bos + buf[:n], dtype=np.int64), min(done, 1.0)
-                sent += n
-                del buf[:n]
-                if max_tokens is not None and sent >= max_tokens:
-                    return
+            text += f.readline() if text else ""  # end the chunk at a line boundary so no word is split
+            read += len(text.encode("utf-8"))
+            *done, pending = (pending + text).split(DOC_SEPARATOR)
+            if not text:
+                done, pending = done + [pending], ""
+            ids = []
+            for doc in done:
+                if doc.strip() or open_doc:
+                    ids += text_ids(doc.strip(), not open_doc) + eos
+                open_doc = False
+            if len(pending) > 4 * CHUNK_BYTES:  # a long document: its text so far
+                ids += text_ids(pending.lstrip() if not open_doc else pending, not open_doc)
+                pending, open_doc = "", True
+            yield ids, min(read / size, 1.0)
             if not text:
                 return
+
+
+def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = None):
+    """Yield (ids [<= window], fraction of the file read): the corpus' token stream (`corpus_tokens`) cut into
+    windows of `window` tokens, at most `max_tokens` in all."""
+    buf: list[int] = []
+    sent, lo = 0, 0.0
+    for ids, hi in corpus_tokens(tokenizer, path):
+        buf += ids
+        while len(buf) >= window or (hi >= 1.0 and buf):
+            n = min(window, len(buf), max_tokens - sent if max_tokens is not None else window)
+            left = len(buf) - n  # tokens of this read not yet sent: the fraction read, pro rata
+            yield np.asarray(buf[:n], dtype=np.int64), hi - (hi - lo) * min(left / max(len(ids), 1), 1.0)
+            sent += n
+            del buf[:n]
+            if max_tokens is not None and sent >= max_tokens:
+                return
+        lo = hi
 
 
 def observe_ffn(model: Model, observer) -> Model:

@@ -11,7 +11,7 @@ def test_profile_writes_where_told_and_refuses_to_overwrite(tmp_path):
     main = load_script("profile").main
     r = CliRunner().invoke(main, [str(SHIPPED), "-o", str(out), "--max-tokens", "300", "--window", "64"])
     assert r.exit_code == 0, r.output
-    assert out.is_file() and "305 tokens profiled" in r.output  # 300 of the corpus and a BOS per window of 64
+    assert out.is_file() and "300 tokens profiled" in r.output  # --max-tokens counts the stream: BOS and EOS too
     again = CliRunner().invoke(main, [str(SHIPPED), "-o", str(out), "--max-tokens", "300"])
     assert again.exit_code == 1 and "exists: pass --force to replace it" in again.output
 
@@ -32,5 +32,5 @@ def test_train_predictors_reports_what_it_sampled(tmp_path):
         str(SHIPPED), "-o", str(out), "--max-tokens", "400", "--window", "64", "--epochs", "1", "--max-hidden", "16",
         "--target-recall", "0.999"])
     assert r.exit_code == 0, r.output
-    assert "sampled 407 of the corpus' 407 tokens per layer" in r.output  # 400 and a BOS per window of 64
+    assert "sampled 400 of the corpus' 400 tokens per layer" in r.output
     assert "below --target-recall" in r.output and out.is_file()

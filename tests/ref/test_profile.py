@@ -63,10 +63,29 @@ def test_counts_equal_brute_force(setup):
 def test_corpus_windows_stream_whole_text(setup):
     _, corpus, tok = setup
     windows = list(corpus_windows(tok, corpus, 32))
-    assert all(w[0] == tok.bos_id and len(w) <= 32 for w, _ in windows)
-    body = [i for w, _ in windows for i in w[1:]]
-    assert tok.decode(body) == TEXT
-    assert sum(len(w) - 1 for w, _ in corpus_windows(tok, corpus, 32, max_tokens=100)) == 100
+    assert all(len(w) == 32 for w, _ in windows[:-1]) and 0 < len(windows[-1][0]) <= 32 and windows[-1][1] == 1.0
+    stream = [int(i) for w, _ in windows for i in w]
+    assert stream[0] == tok.bos_id and stream[-1] == tok.eos_ids[0] and stream.count(tok.bos_id) == 1
+    assert tok.decode(stream) == TEXT.strip()
+    assert sum(len(w) for w, _ in corpus_windows(tok, corpus, 32, max_tokens=100)) == 100
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 40])  # one read, and documents cut across many reads
+def test_documents_are_bos_text_eos(tmp_path, shipped_tokenizer, monkeypatch, chunk):
+    """The corpus' separator is a boundary, never text: each story is BOS, its tokens, EOS, as the model was trained."""
+    from ref import profile
+    monkeypatch.setattr(profile, "CHUNK_BYTES", chunk)
+    long = "the dog ran to the park.\nhe was happy.\n" * 8  # longer than 4 reads of 40: sent in pieces
+    stories = ["once upon a time there was a cat.", long.strip(), "the end."]
+    (tmp_path / "c.txt").write_text("\n<|endoftext|>\n".join(stories) + "\n<|endoftext|>\n")
+    stream = [int(i) for ids, _ in profile.corpus_tokens(shipped_tokenizer, tmp_path / "c.txt") for i in ids]
+    want = [i for s in stories for i in shipped_tokenizer.encode(s) + [shipped_tokenizer.eos_ids[0]]]
+    bos, eos = shipped_tokenizer.bos_id, shipped_tokenizer.eos_ids[0]
+    assert [i for i in stream if i in (bos, eos)] == [bos, eos] * 3
+    pieces = [shipped_tokenizer.decode(p) for p in np.split(stream, np.flatnonzero(np.isin(stream, [bos, eos])))]
+    assert [p for p in pieces if p] == stories and "endoftext" not in shipped_tokenizer.decode(stream)
+    if chunk > 1000:  # in one read, token for token what the training script fed
+        assert stream == want
 
 
 def test_reservoir_is_uniform_and_deterministic():
