@@ -1,11 +1,21 @@
 """The fast engine: numba kernels on the CPU (and numba.cuda on the GPU), checked against `ref`.
 
-`Engine.load` loads a checkpoint; `apply_predictors` and `to_hybrid` are transforms applied to it; `load_engine` is
-the facade that composes them as fast.run's flags ask.
+`Engine.load` loads a checkpoint; `apply_predictors`, `convert` and `to_hybrid` are transforms applied to it;
+`load_engine` is the facade that composes them as fast.run's flags ask. The names load on first use, so that
+`python -m fast.run` starts before numba does (and a Ctrl-C during its imports is caught there).
 """
 
-from fast.engine import Engine, Selector, apply_predictors
-from fast.hybrid import HybridEngine, to_hybrid
-from fast.load import load_engine
+import importlib
 
-__all__ = ["Engine", "Selector", "apply_predictors", "HybridEngine", "to_hybrid", "load_engine"]
+_HOMES = {"Engine": "fast.engine", "Selector": "fast.engine", "apply_predictors": "fast.engine",
+          "convert": "fast.engine", "HybridEngine": "fast.hybrid", "to_hybrid": "fast.hybrid",
+          "load_engine": "fast.load"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'fast' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+__all__ = list(_HOMES)

@@ -45,6 +45,9 @@ class Generation:
         if self.model_dir is not None and self.model is not None and self.model_dir != self.model:
             raise UserError(f"MODEL_DIR {self.model_dir} and -m/--model {self.model} name two models")
         self.model_dir = self.model_dir or self.model or DEFAULT_MODEL
+        if self.model_dir == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
+            raise UserError(f"no MODEL_DIR given, and the shipped model is not at {DEFAULT_MODEL} (an editable install, "
+                            "pip install -e ., keeps data/ beside the code): pass MODEL_DIR or -m")
         check_model_dir(self.model_dir)
         if self.prompt is not None and self.prompt_file is not None:
             raise UserError("-p/--prompt and -f/--file both give a prompt: pass one")

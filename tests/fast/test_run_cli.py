@@ -103,3 +103,18 @@ def test_context_full_is_said(tmp_path):
     r = run("-p", "once upon a time", "-n", "-1", "--temp", "0", "-c", "20", "--json", tmp_path / "t.json")
     assert r.returncode == 0 and "context full (20 tokens)" in r.stderr
     assert json.loads((tmp_path / "t.json").read_text())["stop"] == "context"
+
+
+@pytest.mark.parametrize("after", [0.15, 0.6])
+def test_ctrl_c_while_starting_is_an_exit_not_a_traceback(after):
+    """Ctrl-C during the imports or the load: one line, no traceback (130; 1 with click's 'Aborted!' if it lands
+    while click parses the flags)."""
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "fast.run", "-n", "-1", "--ignore-eos"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert "Traceback" not in err and p.returncode in (0, 1, 130)
+    assert p.returncode == 0 or err.strip().splitlines()[-1] in ("interrupted", "Aborted!")
