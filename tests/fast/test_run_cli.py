@@ -105,7 +105,9 @@ def test_context_full_is_said(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["stop"] == "context"
 
 
-@pytest.mark.parametrize("after", [0.15, 0.6])
+# Not earlier: a Ctrl-C before the interpreter has started (its first ~0.1 s, more on a loaded machine) is the
+# interpreter's own business, not ours.
+@pytest.mark.parametrize("after", [0.4, 0.8])
 def test_ctrl_c_while_starting_is_an_exit_not_a_traceback(after):
     """Ctrl-C during the imports or the load: one line, no traceback (130; 1 with click's 'Aborted!' if it lands
     while click parses the flags)."""
