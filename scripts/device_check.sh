@@ -6,13 +6,16 @@
 # Budget: under 8 minutes (tests about 1, benchmark about 5 on an H200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The project's environment where there is one (README's .venv, or $PYTHON), else the machine's python3.
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}
+echo "python: $PY ($("$PY" --version 2>&1))"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 180 python3 -m pytest -q tests/fast/test_gpu_kernels.py tests/fast/test_hybrid.py 2>&1 | tail -5
-timeout 330 python3 scripts/bench_gpu.py --shape llama-7b --json "$OUT/bench_gpu.json" 2>&1 | tail -12
+timeout 180 "$PY" -m pytest -q tests/fast/test_gpu_kernels.py tests/fast/test_hybrid.py 2>&1 | tail -5
+timeout 330 "$PY" scripts/bench_gpu.py --shape llama-7b --json "$OUT/bench_gpu.json" 2>&1 | tail -12
