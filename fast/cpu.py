@@ -10,9 +10,10 @@ With two cores the kernels are bound by the reads one core keeps in flight, not 
 fast; there, side by side against adjacent rows (median of 600+ interleaved calls): matmul +4 %, sparse_ffn +10 %
 over all neurons and +10 % over a 10 % set. When the bus is slow all variants match the probe.
 
-FORMATS: the weight kernels read rows in any float format of ref.common.formats (its `dtype`: float32, or f16 and
-bf16 bits as uint16 records) through `load(row, k)`, which numba resolves per format when it compiles the kernel;
-everything else is float32.
+FORMATS: the weight kernels read rows in every format of ref.common.formats (its `dtype`: float32, f16 and bf16 bits
+as uint16 records, q8_0 and q4_0 blocks) through the row operations of `fast.quant` (dot4, dot, axpy4, axpy, and
+quantize_input for the token), which numba resolves per format when it compiles the kernel; everything else is
+float32.
 
 Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
 N output rows, R predictor hidden size, C accumulator chunks.
@@ -25,7 +26,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
+
+from fast.quant import axpy, axpy4, dot, dot4, quantize_input
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -57,39 +60,6 @@ def rmsnorm(out, x, w, eps):
             out[t, d] = x[t, d] * r * w[d]
 
 
-@intrinsic
-def f16_to_f32(typingctx, bits):
-    """IEEE half bits -> float32: an LLVM fpext, one vcvtph2ps for 8 or 16 lanes where the CPU has F16C."""
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def bf16_to_f32(typingctx, bits):
-    """bf16 bits -> float32: the upper half of the float32's bits."""
-    def codegen(context, builder, sig, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-def load(row, k):
-    """Element k of a weight row in any float format, as float32."""
-
-
-@overload(load, inline="always")
-def _load(row, k):
-    """Resolved per row type when a kernel compiles: the loops stay one source and still vectorise (measured on a
-    [45056, 2048] matmul, 2 threads: f32 32 GB/s as written inline, f16 25 GB/s, bf16 21 GB/s)."""
-    if row.dtype == types.float32:
-        return lambda row, k: row[k]
-    if isinstance(row.dtype, types.Record) and "f16" in row.dtype.fields:
-        return lambda row, k: f16_to_f32(row[k].f16)
-    if isinstance(row.dtype, types.Record) and "bf16" in row.dtype.fields:
-        return lambda row, k: bf16_to_f32(row[k].bf16)
-
-
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def matmul(out, x, w):
     """out = x @ w.T, each weight row read once for all T tokens.  out: [T, N], x: [T, K], w: [N, K].
@@ -101,27 +71,17 @@ def matmul(out, x, w):
     N = w.shape[0]
     fewest, most, size = MATMUL_CHUNKS
     C = min(most, max(fewest, N * K // size))
+    xq, xd = quantize_input(x, w)
     for c in prange(C):
         lo, hi = c * N // C, (c + 1) * N // C
         q = (hi - lo) // 4
         for n in range(lo, lo + q):
-            w0, w1, w2, w3 = w[n], w[n + q], w[n + 2 * q], w[n + 3 * q]
             for t in range(T):
-                s0 = s1 = s2 = s3 = np.float32(0.0)
-                for k in range(K):
-                    xk = x[t, k]
-                    s0 += xk * load(w0, k)
-                    s1 += xk * load(w1, k)
-                    s2 += xk * load(w2, k)
-                    s3 += xk * load(w3, k)
+                s0, s1, s2, s3 = dot4(w[n], w[n + q], w[n + 2 * q], w[n + 3 * q], x[t], xq[t], xd[t])
                 out[t, n], out[t, n + q], out[t, n + 2 * q], out[t, n + 3 * q] = s0, s1, s2, s3
         for m in range(lo + 4 * q, hi):
-            wm = w[m]
             for t in range(T):
-                s = np.float32(0.0)
-                for k in range(K):
-                    s += x[t, k] * load(wm, k)
-                out[t, m] = s
+                out[t, m] = dot(w[m], x[t], xq[t], xd[t])
 
 
 @njit(cache=True)
@@ -224,11 +184,14 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     three rows, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent ones: -3 %).
     """
     C, D = acc.shape
+    xq, xd = quantize_input(x.reshape((1, D)), bundle)
+    xq0, xd0 = xq[0], xd[0]
     for c in prange(C):
         lo, hi = c * n_active // C, (c + 1) * n_active // C
         q = (hi - lo) // 4
+        y = acc[c]
         for d in range(D):
-            acc[c, d] = 0.0
+            y[d] = 0.0
         for j in range(lo, lo + q):
             i0, i1, i2, i3 = active[j], active[j + q], active[j + 2 * q], active[j + 3 * q]
             if j + 1 < lo + q:  # each lane's next bundle, unless it is the adjacent one
@@ -236,41 +199,19 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
                     nxt = active[j + 1 + k * q]
                     if nxt != active[j + k * q] + 1:
                         for part in range(3):
-                            prefetch(bundle, (nxt * 3 + part) * D)
+                            prefetch(bundle, (nxt * 3 + part) * bundle.shape[2])
             b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [3, D] each
-            g0 = g1 = g2 = g3 = np.float32(0.0)
-            g0r, g1r, g2r, g3r = b0[0], b1[0], b2[0], b3[0]
-            for d in range(D):
-                xd = x[d]
-                g0 += load(g0r, d) * xd
-                g1 += load(g1r, d) * xd
-                g2 += load(g2r, d) * xd
-                g3 += load(g3r, d) * xd
-            u0 = u1 = u2 = u3 = np.float32(0.0)
-            u0r, u1r, u2r, u3r = b0[1], b1[1], b2[1], b3[1]
-            for d in range(D):
-                xd = x[d]
-                u0 += load(u0r, d) * xd
-                u1 += load(u1r, d) * xd
-                u2 += load(u2r, d) * xd
-                u3 += load(u3r, d) * xd
+            g0, g1, g2, g3 = dot4(b0[0], b1[0], b2[0], b3[0], x, xq0, xd0)
+            u0, u1, u2, u3 = dot4(b0[1], b1[1], b2[1], b3[1], x, xq0, xd0)
             a0 = np.float32(activation(kind, g0, u0, thr))
             a1 = np.float32(activation(kind, g1, u1, thr))
             a2 = np.float32(activation(kind, g2, u2, thr))
             a3 = np.float32(activation(kind, g3, u3, thr))
-            d0r, d1r, d2r, d3r = b0[2], b1[2], b2[2], b3[2]
-            for d in range(D):
-                acc[c, d] += a0 * load(d0r, d) + a1 * load(d1r, d) + a2 * load(d2r, d) + a3 * load(d3r, d)
+            axpy4(y, a0, a1, a2, a3, b0[2], b1[2], b2[2], b3[2])
         for j in range(lo + 4 * q, hi):
             b = bundle[active[j]]
-            g = u = np.float32(0.0)
-            gr, ur, dr = b[0], b[1], b[2]
-            for d in range(D):
-                g += load(gr, d) * x[d]
-                u += load(ur, d) * x[d]
-            a = np.float32(activation(kind, g, u, thr))
-            for d in range(D):
-                acc[c, d] += a * load(dr, d)
+            a = np.float32(activation(kind, dot(b[0], x, xq0, xd0), dot(b[1], x, xq0, xd0), thr))
+            axpy(y, a, b[2])
     sum_chunks(out, acc)
 
 
@@ -286,7 +227,7 @@ def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos
     0.28 ms per TinyLlama token, sparse tokens 0.5 to 1.4 % faster."""
     T = h.shape[0]
     K, E = k_cache.shape[1], k_cache.shape[2]
-    H = wo.shape[1] // E
+    H = wqkv.shape[0] // E - 2 * K  # wqkv rows are whole; the columns of a block format are blocks
     x = np.empty_like(h)
     rmsnorm(x, h, attn_norm, eps)
     qkv = np.empty((T, (H + 2 * K) * E), np.float32)

@@ -232,16 +232,9 @@ def set_threads(threads: int | None) -> int:
     return threads
 
 
-def require_kernels(fmt: Format) -> None:
-    if fmt.quantized:
-        raise UserError(f"--type {fmt.name}: the fast engine has no kernels for quantized weights yet "
-                        f"(ref runs them: scripts/eval_sparse.py --type {fmt.name})")
-
-
 def convert(engine: Engine, fmt: Format) -> Engine:
     """Store the engine's matrices in another format (--type), a layer at a time, so that memory holds one layer in
     both formats at most."""
-    require_kernels(fmt)
     for L in engine.layers:
         L.wqkv, L.wo, L.bundle = as_format(L.wqkv, fmt), as_format(L.wo, fmt), as_format(L.bundle, fmt)
     tied = engine.lm_head is engine.embed

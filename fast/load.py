@@ -7,7 +7,7 @@ kernels. Nothing here is written to disk: a placement solved at load lives in me
 from pathlib import Path
 
 from fast import cpu
-from fast.engine import Decoder, Engine, apply_predictors, convert, require_kernels
+from fast.engine import Decoder, Engine, apply_predictors, convert
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
@@ -40,8 +40,6 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     fmt = format_of(type_) if type_ is not None else None
     if device != "cpu" and fmt not in (None, FORMATS["f32"]):
         raise UserError(f"--type {fmt.name} with --device {device}: the GPU kernels read f32 weights only, so far")
-    if fmt is not None:
-        require_kernels(fmt)  # before a long load
     engine = Engine.load(path, threads)
     if fmt is not None and fmt != engine.format:
         convert(engine, fmt)

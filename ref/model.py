@@ -18,6 +18,7 @@ from ref.common.errors import UserError
 from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits
 from ref.common.weights import Weights
+from ref.quant import input_values
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -107,6 +108,11 @@ class Model:
     def w(self, name: str) -> np.ndarray:
         return upcast(self.weights[name], self.dtype)
 
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W.T with W as stored; q8_0 and q4_0 weights read x rounded to Q8_0 (ref.quant.input_values)."""
+        t = self.weights[name]
+        return input_values(x, t) @ upcast(t, self.dtype).T
+
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype, slots)
 
@@ -139,20 +145,20 @@ class Llama(Model):
         c, p = self.config, f"layers.{l}."
         T, seq, s0 = h.shape[0], batch.seqs[0], batch.positions[0]
         x = rmsnorm(h, self.w(p + "attn_norm"), c.rms_norm_eps)  # [T, D]
-        q = (x @ self.w(p + "wq").T).reshape(T, c.n_heads, c.head_dim)  # [T, H, E]
-        k = (x @ self.w(p + "wk").T).reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
-        v = (x @ self.w(p + "wv").T).reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
+        q = self.linear(x, p + "wq").reshape(T, c.n_heads, c.head_dim)  # [T, H, E]
+        k = self.linear(x, p + "wk").reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
+        v = self.linear(x, p + "wv").reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
         q, k = rope(q, batch.positions, c.rope_theta), rope(k, batch.positions, c.rope_theta)
         keys, values = cache.k[l][seq], cache.v[l][seq]  # [capacity, K, E]
         keys[s0:s0 + T], values[s0:s0 + T] = k, v
         att = attention(q, keys[:s0 + T], values[:s0 + T], batch.positions)  # [T, H, E]
-        return att.reshape(T, -1) @ self.w(p + "wo").T  # [T, D]
+        return self.linear(att.reshape(T, -1), p + "wo")  # [T, D]
 
     def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Gate and up pre-activations Wg x, Wu x [T, F] with x = rmsnorm(h).  h: [T, D]."""
         p = f"layers.{l}."
         x = rmsnorm(h, self.w(p + "ffn_norm"), self.config.rms_norm_eps)  # [T, D]
-        return x @ self.w(p + "wg").T, x @ self.w(p + "wu").T
+        return self.linear(x, p + "wg"), self.linear(x, p + "wu")
 
     def dense_ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
         """y = Wd a(Wg x, Wu x) with x = rmsnorm(h).  h: [T, D] residual stream entering the FFN block."""
@@ -164,7 +170,7 @@ class Llama(Model):
         """Logits [T, V] = lm_head . rmsnorm(h)."""
         c = self.config
         x = rmsnorm(h, self.w("norm"), c.rms_norm_eps)  # [T, D]
-        return x @ self.w("embed" if c.tie_word_embeddings else "lm_head").T  # [T, V]
+        return self.linear(x, "embed" if c.tie_word_embeddings else "lm_head")  # [T, V]
 
 
 FAMILIES = {"llama": Llama}

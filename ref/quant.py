@@ -1,6 +1,8 @@
 """What a weight in each format means: llama.cpp's block layouts and reference rounding (ggml-quants.c), in NumPy.
 A weight stored in a format means its dequantized values; `quantize_model` is the transform that stores a model's
-matrices in a format, after which every engine computes with those values.
+matrices in a format, after which every engine computes with those values. A product W x with q8_0 or q4_0 weights
+reads x rounded to Q8_0 blocks (`input_values`), as llama.cpp's integer dot products do; the FFN's down matrix,
+applied as a sum of scaled rows of its transpose, reads the activations as they are.
 
 Blocks run along a row (the input dimension of a [out, in] weight), 32 elements each:
   q8_0, 34 bytes: fp16 d, 32 int8 q;  d = amax / 127, q = round(x / d) (half away from zero), value q d.
@@ -111,6 +113,12 @@ def quantize(x: np.ndarray, fmt: str | Format, name: str = "tensor"):
         raise UserError(f"--type {fmt.name}: {name} has rows of {x.shape[-1]} elements, not whole blocks of {fmt.block}")
     blocks = CODECS[fmt.name][0](x.reshape(-1, fmt.block))  # [N B, block_bytes]
     return Quantized(fmt, blocks.reshape(*x.shape[:-1], -1), x.shape)
+
+
+def input_values(x: np.ndarray, t) -> np.ndarray:
+    """What a product with the stored weight t reads of its input x [..., n]: x itself for a float format; for q8_0
+    and q4_0, x rounded to Q8_0 blocks along its rows (llama.cpp's vec_dot_type for both), in x's dtype."""
+    return quantize(x, "q8_0").astype(x.dtype) if isinstance(t, Quantized) else x
 
 
 def format_of_blocks(dtype: np.dtype) -> Format:

@@ -15,6 +15,7 @@ import numpy as np
 from ref.common.artifacts import Predictors
 from ref.common.safetensors import upcast
 from ref.model import Model, ffn_activation, fired, require_sparse, rmsnorm
+from ref.quant import input_values
 
 
 def predictor_logits(h: np.ndarray, fc1: np.ndarray, fc2: np.ndarray) -> np.ndarray:
@@ -30,10 +31,11 @@ def predicted_set(logits: np.ndarray, threshold: float = 0.0) -> np.ndarray:
 def sparse_ffn(x: np.ndarray, wg, wu, wd, active: np.ndarray, kind: str, t: float = 0.0, dtype=np.float32) -> np.ndarray:
     """y = sum_{i in active} a_i Wd[:, i], computing a_i only for active neurons.  x: [D] -> [D].
 
-    wg, wu: [F, D] and wd: [D, F] as stored (any dtype); only the active rows/columns are read.
+    wg, wu: [F, D] and wd: [D, F] as stored (any format); only the active rows/columns are read. Gate and up read x
+    as their format does (ref.quant.input_values), the down matrix the activations as they are.
     """
-    g = upcast(wg[active], dtype) @ x  # [|P|]
-    u = upcast(wu[active], dtype) @ x  # [|P|]
+    g = upcast(wg[active], dtype) @ input_values(x, wg)  # [|P|]
+    u = upcast(wu[active], dtype) @ input_values(x, wu)  # [|P|]
     a = ffn_activation(kind, g, u, t)  # [|P|]
     return upcast(wd[:, active], dtype) @ a  # [D]
 

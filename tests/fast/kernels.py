@@ -8,7 +8,7 @@ import numpy as np
 
 from fast.cpu import KINDS
 from ref.model import attention as ref_attention
-from ref.quant import blocks, quantize, values
+from ref.quant import blocks, input_values, quantize, values
 from ref.model import rmsnorm as ref_rmsnorm
 from ref.model import rope as ref_rope
 from ref.sparse import predicted_set as ref_predicted_set
@@ -22,9 +22,11 @@ def randn(rng, *shape, scale=1.0):
 
 
 def stored(w, fmt):
-    """Weights w [..., n] in a format's kernel storage (its blocks), and the values they mean, in float64."""
-    b = blocks(quantize(w, fmt))
-    return b, values(b).astype(np.float64)
+    """Weights w [..., n] in a format's kernel storage (its blocks), the values they mean in float64, and what a
+    product with them reads of an input x (ref.quant.input_values)."""
+    t = quantize(w, fmt)
+    b = blocks(t)
+    return b, values(b).astype(np.float64), lambda x: input_values(np.asarray(x, np.float64), t)
 
 
 def case_rmsnorm(rng, T, D):
@@ -34,9 +36,9 @@ def case_rmsnorm(rng, T, D):
 
 
 def case_matmul(rng, T, N, K, fmt="f32"):
-    x, (w, wv) = randn(rng, T, K), stored(randn(rng, N, K), fmt)
+    x, (w, wv, read) = randn(rng, T, K), stored(randn(rng, N, K), fmt)
     out = np.empty((T, N), F32)
-    return lambda k: (k.matmul(out, x, w), out)[1], x.astype(np.float64) @ wv.T
+    return lambda k: (k.matmul(out, x, w), out)[1], read(x) @ wv.T
 
 
 def rope_tables_for(E, theta=500.0):
@@ -66,34 +68,34 @@ def case_attention(rng, T, S, H, K, E):
 def case_attention_block(rng, T, S, H, K, E, D, fmt="f32"):
     """The fast block against ref's rmsnorm, projections, rope and attention; positions before S - T are cached."""
     h, w = randn(rng, T, D), randn(rng, D)
-    (wqkv_b, wqkv), (wo_b, wo) = stored(randn(rng, (H + 2 * K) * E, D), fmt), stored(randn(rng, D, H * E), fmt)
+    (wqkv_b, wqkv, read_qkv), (wo_b, wo, read_o) = stored(randn(rng, (H + 2 * K) * E, D), fmt), stored(randn(rng, D, H * E), fmt)
     kc, vc = randn(rng, S + 2, K, E), randn(rng, S + 2, K, E)  # capacity S + 2: the rows after S stay unread
     pos0 = S - T
     cos, sin = rope_tables_for(E)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    qkv = ref_rmsnorm(f64(h), f64(w), 1e-5) @ f64(wqkv).T  # [T, (H + 2K) E]
+    qkv = read_qkv(ref_rmsnorm(f64(h), f64(w), 1e-5)) @ wqkv.T  # [T, (H + 2K) E]
     q, k, v = np.split(qkv, [H * E, (H + K) * E], axis=1)
     pos = np.arange(pos0, S)
     q, k = ref_rope(q.reshape(T, H, E), pos, 500.0), ref_rope(k.reshape(T, K, E), pos, 500.0)
     keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
-    want = ref_attention(q, keys, values, pos).reshape(T, H * E) @ f64(wo).T  # [T, D]
+    want = read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T  # [T, D]
     out = np.empty((T, D), F32)
     return lambda k: (k.attention_block(out, h, w, wqkv_b, wo_b, kc.copy(), vc.copy(), cos, sin, pos0, 1e-5), out)[1], want
 
 
 def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
-    x, (bundle, bv) = randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
+    x, (bundle, bv, read) = randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
-    want = ref_sparse_ffn(x.astype(np.float64), bv[:, 0], bv[:, 1], bv[:, 2].T, active, kind, 0.1, np.float64)
+    want = ref_sparse_ffn(read(x), bv[:, 0], bv[:, 1], bv[:, 2].T, active, kind, 0.1, np.float64)
     return lambda k: (k.sparse_ffn(out, acc, x, bundle, active, n_active, KINDS[kind], F32(0.1)), out)[1], want
 
 
 def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
-    h, w, (bundle, bv) = randn(rng, D, scale=3), randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
+    h, w, (bundle, bv, read) = randn(rng, D, scale=3), randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
-    x = ref_rmsnorm(h[None].astype(np.float64), w.astype(np.float64), 1e-5)[0]
+    x = read(ref_rmsnorm(h[None].astype(np.float64), w.astype(np.float64), 1e-5)[0])
     want = ref_sparse_ffn(x, bv[:, 0], bv[:, 1], bv[:, 2].T, active, kind, 0.1, np.float64)
     return (lambda k: (k.ffn_block(out, acc, h, w, bundle, active, n_active, KINDS[kind], F32(0.1), 1e-5), out)[1],
             want)
@@ -166,6 +168,13 @@ SHAPES = [
         ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")),
         ("ffn_block", dict(F=50, D=19, n_active=13, kind="fatrelu")),
         ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33)))],
+    # block formats: rows of whole 32-element blocks; one block, several, row counts off the four streams
+    *[(name, {**shape, "fmt": fmt}, False) for fmt in ("q8_0", "q4_0") for name, shape in (
+        ("matmul", dict(T=2, N=301, K=64)), ("matmul", dict(T=1, N=7, K=32)), ("matmul", dict(T=3, N=1, K=96)),
+        ("sparse_ffn", dict(F=100, D=64, n_active=37, kind="relu")), ("sparse_ffn", dict(F=77, D=32, n_active=77, kind="drelu")),
+        ("sparse_ffn", dict(F=20, D=32, n_active=0, kind="relu")), ("sparse_ffn", dict(F=9, D=64, n_active=2, kind="relu", chunks=7)),
+        ("ffn_block", dict(F=50, D=64, n_active=13, kind="fatrelu")),
+        ("attention_block", dict(T=2, S=7, H=4, K=1, E=8, D=64)))],
 ]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; and fast.gpu reads float32 weights only, so far.

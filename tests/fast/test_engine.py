@@ -148,15 +148,10 @@ def test_checkpoints_run_in_their_stored_format(tmp_path, dtype, fmt):
     assert_close(e.logits(ids), ref.load_model(d).logits(ids), rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "q8_0", "q4_0"])
 def test_convert_is_ref_at_that_format(small, fmt):
     """--type: the engine's matrices in another format mean what ref.quant says they mean."""
     ids = np.array([2, 3, 5, 7, 11, 13])
     e = convert(Engine.load(small), FORMATS[fmt])
     assert e.format.name == fmt and e.layers[1].wqkv.dtype == FORMATS[fmt].dtype
     assert_close(e.logits(ids), quantize_model(ref.load_model(small), fmt).logits(ids), rtol=1e-4)
-
-
-def test_quantized_types_refused_before_loading(tmp_path):
-    with pytest.raises(UserError, match="--type q4_0: the fast engine has no kernels for quantized weights yet"):
-        fast.load_engine(tmp_path / "nothing-here", type_="q4_0")

@@ -44,7 +44,7 @@ def test_same_text_as_ref_greedy():
     (["-t", "0"], "-t/--threads must be in"),
     (["-p", "once upon a time " * 200], "longer than the context"),
     (["--predictors", "/nonexistent.safetensors"], "predictors file not found"),
-    (["--type", "q8_0"], "--type q8_0: the fast engine has no kernels for quantized weights yet"),
+    (["--type", "q5_k"], "--type: unknown format 'q5_k'"),
 ])
 def test_bad_flags(args, expect):
     r = run(*args)

@@ -1,0 +1,359 @@
+"""How the CPU kernels read a weight row in each format of ref.common.formats: the row operations `fast.cpu` is
+written in, resolved per row type when a kernel compiles (numba overloads), so each kernel stays one source.
+
+  dot4(w0, w1, w2, w3, x, xq, xd) -> (w0 . x, ..., w3 . x)   four rows against one token
+  dot(w, x, xq, xd)               -> w . x
+  axpy4(y, a0..a3, w0..w3)         y += a0 w0 + ... + a3 w3
+  axpy(y, a, w)                    y += a w
+  quantize_input(x, w)            -> (xq, xd): the token rows as the dot products with w read them
+
+Float formats (f32; f16 and bf16 bits decoded with `load`) read the float32 token x. Block formats (q8_0, q4_0) read
+it rounded to Q8_0 blocks, as llama.cpp's vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0 do and ref.quant.input_values
+defines: xq int8 quants, xd float32 scales (fp16-rounded). Their dot products are integer sums per block, scaled
+and accumulated in 8 float32 lanes: LLVM IR written here (`@intrinsic`), because numba widens int8 arithmetic to
+int64 and its loops then stay scalar (measured: 2 GB/s on one core). Axpy never quantizes: y += a dequant(w).
+
+Dimensions: T tokens, K row length, B = K / 32 blocks per row.
+"""
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core import config as numba_config
+from numba.extending import intrinsic, overload
+from numba.np.numpy_support import from_dtype
+
+from ref.common.formats import FORMATS
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+BLOCK = 32
+# Software prefetch distance in a block row: 2.2 -> 5.6 GB/s for a one-core Q4_0 matmul ([45056, 2048], 0/256/512/
+# 1024/2048 bytes ahead: 2.2, 2.7, 3.9, 5.2, 5.6); the hardware prefetcher does not keep ahead of 18-byte blocks.
+AHEAD = 1024
+BLOCK_FORMATS = {from_dtype(FORMATS[n].dtype): FORMATS[n] for n in ("q8_0", "q4_0")}
+
+
+def isa() -> str:
+    """The integer dot product this machine has: 'vnni' (vpdpbusd), 'avx2' (vpmaddubsw) or 'generic' IR. Numba
+    compiles for the host unless NUMBA_CPU_NAME names another CPU, and keys its cache by CPU and features."""
+    if numba_config.CPU_NAME and numba_config.CPU_NAME != "host":
+        return "generic"
+    feats = llvm.get_host_cpu_features()
+    if feats.get("avxvnni") or (feats.get("avx512vnni") and feats.get("avx512vl")):
+        return "vnni"
+    return "avx2" if feats.get("avx2") else "generic"
+
+
+ISA = isa()
+
+
+# ---------------------------------------------------------------------------------------------------- float formats
+
+@intrinsic
+def f16_to_f32(typingctx, bits):
+    """IEEE half bits -> float32: an LLVM fpext, one vcvtph2ps for 8 or 16 lanes where the CPU has F16C."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def bf16_to_f32(typingctx, bits):
+    """bf16 bits -> float32: the upper half of the float32's bits."""
+    def codegen(context, builder, sig, args):
+        wide = builder.shl(builder.zext(args[0], I32), ir.Constant(I32, 16))
+        return builder.bitcast(wide, F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def f16_round(typingctx, x):
+    """float32 rounded to the nearest fp16 (ties to even) and back, as numpy's astype(float16) rounds."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), F32)
+    return types.float32(types.float32), codegen
+
+
+def load(row, k):
+    """Element k of a row in a float format, as float32."""
+
+
+@overload(load, inline="always")
+def _load(row, k):
+    """Measured on a [45056, 2048] matmul, 2 threads: f32 32 GB/s as written inline, f16 25 GB/s, bf16 21 GB/s."""
+    if row.dtype == types.float32:
+        return lambda row, k: row[k]
+    if isinstance(row.dtype, types.Record) and "f16" in row.dtype.fields:
+        return lambda row, k: f16_to_f32(row[k].f16)
+    if isinstance(row.dtype, types.Record) and "bf16" in row.dtype.fields:
+        return lambda row, k: bf16_to_f32(row[k].bf16)
+
+
+def is_float(row) -> bool:
+    return row.dtype == types.float32 or (isinstance(row.dtype, types.Record) and row.dtype not in BLOCK_FORMATS)
+
+
+# ---------------------------------------------------------------------------------------------------- block formats (IR)
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _splat(t, n, v):
+    return ir.Constant(_vec(t, n), [v] * n)
+
+
+def _lanes(*idx):
+    return ir.Constant(_vec(I32, len(idx)), list(idx))
+
+
+def _data(context, builder, aty, arr):
+    """i8* to an array's first element."""
+    return builder.bitcast(context.make_array(aty)(context, builder, arr).data, I8.as_pointer())
+
+
+def _read(builder, ptr, ty):
+    return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1)
+
+
+def _call(builder, name, ret, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, list(args))
+
+
+def _quants(builder, fmt, p):
+    """The 32 signed quants <32 x i8> of the block at p: q8_0's int8; q4_0's nibbles (low: elements 0-15) minus 8."""
+    if fmt.name == "q8_0":
+        return _read(builder, builder.gep(p, [I64(2)]), _vec(I8, 32))
+    nib = _read(builder, builder.gep(p, [I64(2)]), _vec(I8, 16))
+    lo, hi = builder.and_(nib, _splat(I8, 16, 15)), builder.lshr(nib, _splat(I8, 16, 4))
+    return builder.sub(builder.shuffle_vector(lo, hi, _lanes(*range(32))), _splat(I8, 32, 8))
+
+
+def _int_dot8(builder, q, x):
+    """<8 x i32> partial sums of q . x over 32 int8 pairs (|x| <= 127, so no pair sum saturates). With vpsignb:
+    |q| (unsigned) times x sign(q) (signed) is q x, the form vpdpbusd and vpmaddubsw take, as in llama.cpp."""
+    if ISA == "generic":
+        p = builder.mul(builder.sext(q, _vec(I16, 32)), builder.sext(x, _vec(I16, 32)))
+        even = builder.sext(builder.shuffle_vector(p, p, _lanes(*range(0, 32, 2))), _vec(I32, 16))
+        odd = builder.sext(builder.shuffle_vector(p, p, _lanes(*range(1, 32, 2))), _vec(I32, 16))
+        s = builder.add(even, odd)
+        return builder.add(builder.shuffle_vector(s, s, _lanes(*range(8))), builder.shuffle_vector(s, s, _lanes(*range(8, 16))))
+    aq = _call(builder, "llvm.x86.avx2.psign.b", _vec(I8, 32), q, q)
+    sx = _call(builder, "llvm.x86.avx2.psign.b", _vec(I8, 32), x, q)
+    if ISA == "vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _vec(I32, 8), _splat(I32, 8, 0),
+                     builder.bitcast(aq, _vec(I32, 8)), builder.bitcast(sx, _vec(I32, 8)))
+    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), aq, sx)
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), pairs, _splat(I16, 16, 1))
+
+
+def _scale(builder, p):
+    """A block's fp16 scale d as float32."""
+    return builder.fpext(_read(builder, p, ir.HalfType()), F32)
+
+
+def _block_loop(builder, n, init, body):
+    """for b in range(n): carried = body(b, carried); returns the final carried value (init when n <= 0)."""
+    entry = builder.block
+    loop = builder.function.append_basic_block("blocks.loop")
+    done = builder.function.append_basic_block("blocks.done")
+    builder.cbranch(builder.icmp_signed(">", n, I64(0)), loop, done)
+    builder.position_at_end(loop)
+    b, carried = builder.phi(I64), builder.phi(init.type)
+    b.add_incoming(I64(0), entry)
+    carried.add_incoming(init, entry)
+    after = body(b, carried)
+    b1 = builder.add(b, I64(1))
+    b.add_incoming(b1, builder.block)
+    carried.add_incoming(after, builder.block)
+    last = builder.block
+    builder.cbranch(builder.icmp_signed("<", b1, n), loop, done)
+    builder.position_at_end(done)
+    out = builder.phi(init.type)
+    out.add_incoming(init, entry)
+    out.add_incoming(after, last)
+    return out
+
+
+def _prefetch(builder, base, offset, limit):
+    """Hint base[offset] into the caches if offset < limit (bytes): never past what the caller will read."""
+    with builder.if_then(builder.icmp_signed("<", offset, limit), likely=True):
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(base, [offset]), I32(0), I32(3), I32(1))
+
+
+@intrinsic
+def block_dot(typingctx, w, x, xd, reach):
+    """sum_b d_b xd_b sum_i q_bi xq_bi over a row w [B] of q8_0 or q4_0 blocks and a Q8_0 token (xq [K] int8,
+    xd [B] float32); prefetches up to `reach` blocks from the row's start (the next row's too, where the caller
+    reads it next)."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    bs = fmt.block_bytes
+
+    def codegen(context, builder, sig, args):
+        w_, x_, xd_, reach_ = args
+        n = context.make_array(sig.args[0])(context, builder, w_).shape
+        n = cgutils.unpack_tuple(builder, n)[0]
+        wp0, xp0 = _data(context, builder, sig.args[0], w_), _data(context, builder, sig.args[1], x_)
+        dp0 = builder.bitcast(_data(context, builder, sig.args[2], xd_), F32.as_pointer())
+        limit = builder.mul(reach_, I64(bs))
+
+        def body(b, acc):
+            off = builder.mul(b, I64(bs))
+            _prefetch(builder, wp0, builder.add(off, I64(AHEAD)), limit)
+            wp = builder.gep(wp0, [off])
+            xv = _read(builder, builder.gep(xp0, [builder.mul(b, I64(BLOCK))]), _vec(I8, 32))
+            s = builder.sitofp(_int_dot8(builder, _quants(builder, fmt, wp), xv), _vec(F32, 8))
+            d = builder.fmul(_scale(builder, wp), builder.load(builder.gep(dp0, [b])))
+            dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(F32, 8), None), d, I32(0)),
+                                        ir.Constant(_vec(F32, 8), None), _lanes(*[0] * 8))
+            return builder.fadd(acc, builder.fmul(s, dv, flags=("fast",)), flags=("fast",))
+
+        acc = _block_loop(builder, n, ir.Constant(_vec(F32, 8), [0.0] * 8), body)
+        return _call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0), acc)
+    return types.float32(w, x, xd, reach), codegen
+
+
+def _axpy_codegen(fmt, rows):
+    """y += sum_r a_r dequant(w_r) for `rows` rows of blocks, each y vector loaded and stored once per block."""
+    bs = fmt.block_bytes
+
+    def codegen(context, builder, sig, args):
+        y_, a_, w_ = args[0], args[1:1 + rows], args[1 + rows:]
+        n = cgutils.unpack_tuple(builder, context.make_array(sig.args[-1])(context, builder, w_[0]).shape)[0]
+        wp0 = [_data(context, builder, t, v) for t, v in zip(sig.args[1 + rows:], w_)]
+        yp0 = builder.bitcast(context.make_array(sig.args[0])(context, builder, y_).data, F32.as_pointer())
+        limit = builder.mul(n, I64(bs))
+
+        def body(b, carried):
+            off = builder.mul(b, I64(bs))
+            yp = builder.bitcast(builder.gep(yp0, [builder.mul(b, I64(BLOCK))]), _vec(F32, 32).as_pointer())
+            y = builder.load(yp, align=4)
+            for a, wp in zip(a_, wp0):
+                _prefetch(builder, wp, builder.add(off, I64(AHEAD)), limit)
+                p = builder.gep(wp, [off])
+                q = builder.sitofp(_quants(builder, fmt, p), _vec(F32, 32))
+                s = builder.fmul(a, _scale(builder, p))
+                sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(F32, 32), None), s, I32(0)),
+                                            ir.Constant(_vec(F32, 32), None), _lanes(*[0] * 32))
+                y = builder.fadd(y, builder.fmul(q, sv, flags=("fast",)), flags=("fast",))
+            builder.store(y, yp, align=4)
+            return carried
+
+        _block_loop(builder, n, I64(0), body)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def block_axpy(typingctx, y, a, w):
+    """y += a dequant(w): y [K] float32, w [B] q8_0 or q4_0 blocks; prefetches within the row only."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    return None if fmt is None else (types.void(y, a, w), _axpy_codegen(fmt, 1))
+
+
+@intrinsic
+def block_axpy4(typingctx, y, a0, a1, a2, a3, w0, w1, w2, w3):
+    """y += a0 dequant(w0) + ... + a3 dequant(w3), rows of equal length."""
+    fmt = BLOCK_FORMATS.get(w0.dtype)
+    return None if fmt is None else (types.void(y, a0, a1, a2, a3, w0, w1, w2, w3), _axpy_codegen(fmt, 4))
+
+
+# ---------------------------------------------------------------------------------------------------- the row operations
+
+def quantize_input(x, w):
+    """(xq [T, K] int8, xd [T, B] float32): x [T, K] as products with w read it (empty for float formats)."""
+
+
+@overload(quantize_input)
+def _quantize_input(x, w):
+    if is_float(w):
+        return lambda x, w: (np.empty((x.shape[0], 0), np.int8), np.empty((x.shape[0], 0), np.float32))
+
+    def q8_0(x, w):  # ref.quant.quantize_q8_0, per block of 32: d = amax / 127, q = roundf(x / d)
+        T, K = x.shape
+        xq, xd = np.empty((T, K), np.int8), np.empty((T, K // BLOCK), np.float32)
+        for t in range(T):
+            for b in range(K // BLOCK):
+                amax = np.float32(0.0)
+                for i in range(b * BLOCK, (b + 1) * BLOCK):
+                    amax = max(amax, abs(x[t, i]))
+                d = amax / np.float32(127)
+                inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+                for i in range(b * BLOCK, (b + 1) * BLOCK):
+                    v = x[t, i] * inv
+                    xq[t, i] = np.int8(np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1))
+                xd[t, b] = f16_round(d)
+        return xq, xd
+    return q8_0
+
+
+def dot4(w0, w1, w2, w3, x, xq, xd):
+    """(w0 . x, w1 . x, w2 . x, w3 . x) for one token."""
+
+
+@overload(dot4)
+def _dot4(w0, w1, w2, w3, x, xq, xd):
+    if is_float(w0):
+        def floats(w0, w1, w2, w3, x, xq, xd):  # four streams in one loop (fast.cpu's STREAMS)
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for k in range(x.shape[0]):
+                xk = x[k]
+                s0 += xk * load(w0, k)
+                s1 += xk * load(w1, k)
+                s2 += xk * load(w2, k)
+                s3 += xk * load(w3, k)
+            return s0, s1, s2, s3
+        return floats
+    return lambda w0, w1, w2, w3, x, xq, xd: (dot(w0, x, xq, xd), dot(w1, x, xq, xd), dot(w2, x, xq, xd),
+                                              dot(w3, x, xq, xd))
+
+
+def dot(w, x, xq, xd):
+    """w . x for one token."""
+
+
+@overload(dot)
+def _dot(w, x, xq, xd):
+    if is_float(w):
+        def floats(w, x, xq, xd):
+            s = np.float32(0.0)
+            for k in range(x.shape[0]):
+                s += x[k] * load(w, k)
+            return s
+        return floats
+    # reach: the row and whatever follows it (a matrix's next row, the next rows of a neuron's bundle), in blocks
+    return lambda w, x, xq, xd: block_dot(w, xq, xd, np.int64(w.shape[0] + AHEAD))
+
+
+def axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
+    """y += a0 w0 + a1 w1 + a2 w2 + a3 w3."""
+
+
+@overload(axpy4)
+def _axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
+    if is_float(w0):
+        def floats(y, a0, a1, a2, a3, w0, w1, w2, w3):
+            for d in range(y.shape[0]):
+                y[d] += a0 * load(w0, d) + a1 * load(w1, d) + a2 * load(w2, d) + a3 * load(w3, d)
+        return floats
+
+    return lambda y, a0, a1, a2, a3, w0, w1, w2, w3: block_axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3)
+
+
+def axpy(y, a, w):
+    """y += a w."""
+
+
+@overload(axpy)
+def _axpy(y, a, w):
+    if is_float(w):
+        def floats(y, a, w):
+            for d in range(y.shape[0]):
+                y[d] += a * load(w, d)
+        return floats
+    return lambda y, a, w: block_axpy(y, a, w)
