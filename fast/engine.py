@@ -1,6 +1,7 @@
 """The fast engine: ref's model, laid out once for the numba kernels of `fast.cpu`.
 
-`Engine.load` only loads, keeping the checkpoint's weight format (no float32 copy of an f16 or bf16 model).
+`Engine.load` only loads, keeping the checkpoint's weight format (no float32 copy of an f16 or bf16 model) unless
+asked for another.
 Features are transforms applied to a loaded engine: `convert` stores its matrices in another format (--type),
 `apply_predictors` gives it a predicting `Selector`, `fast.hybrid.to_hybrid` puts a placement's share on the GPU;
 the block code asks the selector which neurons to compute and does not know which one it has.
@@ -21,6 +22,7 @@ from fast import cpu
 from ref import sparse
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch, KVCache, check_batch
+from ref.common.checkpoint import load_checkpoint
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
@@ -28,7 +30,7 @@ from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
 from ref.model import rope_angles
-from ref.quant import blocks, format_of_blocks, quantize, values
+from ref.quant import blocks, format_of_blocks, quantize, quantize_predictors, values
 
 F32 = np.float32
 
@@ -77,14 +79,15 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Selector(sparse.Selector):
-    """ref's active-set seam with the pick as a kernel: predictor weights float32 and contiguous, plus the host
-    scratch an engine runs the predictor into (`logits` [F], `hidden` [max R])."""
+    """ref's active-set seam with the pick as a kernel: predictor weights as rows of their format's blocks
+    (float32 as trained, or as `ref.quant.quantize_predictors` stored them), plus the host scratch an engine runs
+    the predictor into (`logits` [F], `hidden` [max R])."""
 
     def __init__(self, d_ffn: int, predictors: Predictors | None = None, threshold: float = 0.0):
         super().__init__(d_ffn, predictors, threshold)
         if self.predicts:
-            self.fc1 = [np.ascontiguousarray(a, F32) for a in self.fc1]  # [R, D]
-            self.fc2 = [np.ascontiguousarray(b, F32) for b in self.fc2]  # [F, R]
+            self.fc1 = [blocks(a) for a in self.fc1]  # [R, D]
+            self.fc2 = [blocks(b) for b in self.fc2]  # [F, R]
             self.hidden = np.empty(max(a.shape[0] for a in self.fc1), F32)
         self.threshold = F32(threshold)
         self.logits, self.active = np.empty(d_ffn, F32), np.empty(d_ffn, np.int32)
@@ -115,8 +118,15 @@ class Decoder:
         self.compile_seconds = time.perf_counter() - t0
 
 
+def stored_format(w: Weights) -> Format:
+    """The format a checkpoint's matrices are stored in: its embedding's."""
+    return format_of_blocks(blocks(w["embed"][:1]).dtype)
+
+
 class Engine(Decoder):
     """Prefill and decode on the CPU with a preallocated KV cache."""
+
+    file_predictors = None  # a PowerInfer file's own predictors
 
     def __init__(self, config: ModelConfig, layers: list[Layer], embed: np.ndarray, norm: np.ndarray,
                  lm_head: np.ndarray, threads: int | None = None, fmt: Format = FORMATS["f32"]):
@@ -129,21 +139,25 @@ class Engine(Decoder):
         self.selector = Selector(c.d_ffn)
 
     @staticmethod
-    def load(path: str | Path, threads: int | None = None) -> "Engine":
-        """Lay out an HF checkpoint for the kernels in the format its matrices are stored in (dense; features are
-        transforms applied to the result)."""
-        cfg = ModelConfig.from_hf(path)
+    def load(path: str | Path, threads: int | None = None, fmt: Format | None = None) -> "Engine":
+        """Lay out an HF folder or GGUF file for the kernels, dense, its matrices in the format they are stored in or
+        in `fmt` (--type: converted a layer at a time as they are laid out, so that memory never holds the model
+        twice). Features are transforms applied to the result; a PowerInfer file's predictors wait in
+        `file_predictors`."""
+        w = load_checkpoint(path)
+        cfg = w.config
         if cfg.family not in LAYOUTS:
             raise UserError(f"{path}: the fast engine has no layout for the {cfg.family} family")
-        w = Weights.load(path, cfg)
-        fmt = format_of_blocks(blocks(w["embed"][:1]).dtype)
+        fmt = fmt or stored_format(w)
         layers = []
         for l in range(cfg.n_layers):
             layers.append(LAYOUTS[cfg.family](w, l, fmt))
             w.release()  # the layout is a copy: keep one, not the file's pages too
         embed = as_format(w["embed"], fmt)
         lm_head = embed if cfg.tie_word_embeddings else as_format(w["lm_head"], fmt)
-        return Engine(cfg, layers, embed, np.ascontiguousarray(upcast(w["norm"], F32)), lm_head, threads, fmt)
+        engine = Engine(cfg, layers, embed, np.ascontiguousarray(upcast(w["norm"], F32)), lm_head, threads, fmt)
+        engine.file_predictors = w.predictors
+        return engine
 
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots)
@@ -244,7 +258,9 @@ def convert(engine: Engine, fmt: Format) -> Engine:
     return engine
 
 
-def apply_predictors(engine: Engine, predictors, threshold: float | None = None) -> Engine:
-    """Predictor-gated sparse FFN, from a predictors file or loaded `Predictors` (the stored threshold unless given)."""
-    engine.selector = Selector(engine.config.d_ffn, *sparse.resolve_predictors(engine.config, predictors, threshold))
+def apply_predictors(engine: Engine, predictors, threshold: float | None = None, fmt: Format | None = None) -> Engine:
+    """Predictor-gated sparse FFN, from a predictors file or loaded `Predictors` (the stored threshold unless given),
+    their weights stored in `fmt` if given (--predictor-type)."""
+    pred, threshold = sparse.resolve_predictors(engine.config, predictors, threshold)
+    engine.selector = Selector(engine.config.d_ffn, pred if fmt is None else quantize_predictors(pred, fmt), threshold)
     return engine

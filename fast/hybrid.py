@@ -24,6 +24,7 @@ from ref.common.artifacts import dense_names
 from ref.common.batch import Batch, KVCache, check_batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
+from ref.quant import values
 
 F32 = np.float32
 
@@ -84,7 +85,7 @@ class HybridEngine(Decoder):
         if f"attention.{l}" in self.dense_on_gpu:
             attention = tuple(cuda.to_device(a) for a in (L.attn_norm, L.wqkv, L.wo))
         if sel.predicts and f"predictor.{l}" in self.dense_on_gpu:
-            predictor = (cuda.to_device(sel.fc1[l]), cuda.to_device(sel.fc2[l]))
+            predictor = (cuda.to_device(values(sel.fc1[l])), cuda.to_device(values(sel.fc2[l])))  # f32 kernels
         slot = np.full(c.d_ffn, -1, np.int32)
         slot[ids] = np.arange(len(ids), dtype=np.int32)
         bundle = np.ascontiguousarray(L.bundle[ids]) if len(ids) else np.zeros((1, 3, c.d_model), F32)

@@ -1,5 +1,5 @@
 """The facade one floor up: `load_engine` composes what fast.run's flags ask for, in order: load the checkpoint
-(`Engine.load`), store its weights in the format asked for (`convert`), apply the predictors (`apply_predictors`),
+(`Engine.load`, its weights laid out in the format asked for), apply the predictors (`apply_predictors`),
 on a GPU let `placement` decide and apply its decision (`to_hybrid`, which holds f32 weights), then compile the
 kernels. Nothing here is written to disk: a placement solved at load lives in memory
 (`python -m placement -o FILE` writes one to reuse with `placement=FILE`)."""
@@ -7,13 +7,15 @@ kernels. Nothing here is written to disk: a placement solved at load lives in me
 from pathlib import Path
 
 from fast import cpu
-from fast.engine import Decoder, Engine, apply_predictors, convert
+from fast.engine import Decoder, Engine, apply_predictors, convert, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
 from ref.common.artifacts import load_placement
+from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
-from ref.common.formats import FORMATS, format_of
+from ref.common.formats import FORMATS, Format, format_of
+from ref.common.names import expected_shapes
 
 def kernels_cached() -> bool:
     """Whether numba's on-disk cache holds fast.cpu's kernels (its index files beside the module): if not, the
@@ -26,13 +28,17 @@ POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style wh
 GROUP = 64  # neurons per ILP group
 
 
+EMBEDDED = "embedded"  # predictors=EMBEDDED: a PowerInfer file's own
+
+
 def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
                 threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
-                type_: str | None = None) -> Decoder:
+                type_: str | None = None, predictor_type: str | None = None) -> Decoder:
     """The engine fast.run runs: weights as stored or in the format `type_` names, dense, or predictor-sparse with
-    `predictors`; on `gpu`/`hybrid`, placed on the card (a placement file, or one solved for `vram_budget` GiB from
-    MODEL_DIR/activations.safetensors). Compiles (or loads the cached) kernels with one warm-up token, timed as
-    `compile_seconds`."""
+    `predictors` (a file, loaded Predictors, or EMBEDDED; stored in `predictor_type` if given); on `gpu`/`hybrid`,
+    placed on the card (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors).
+    Refuses what does not fit in memory before laying anything out. Compiles (or loads the cached) kernels with one
+    warm-up token, timed as `compile_seconds`."""
     if device not in DEVICES:
         raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
     if policy not in POLICIES:
@@ -40,15 +46,47 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     fmt = format_of(type_) if type_ is not None else None
     if device != "cpu" and fmt not in (None, FORMATS["f32"]):
         raise UserError(f"--type {fmt.name} with --device {device}: the GPU kernels read f32 weights only, so far")
-    engine = Engine.load(path, threads)
-    if fmt is not None and fmt != engine.format:
-        convert(engine, fmt)
+    w = load_checkpoint(path)  # memory-mapped: the checks below read no weights
+    stored = stored_format(w)
+    if fmt is not None and stored.quantized and fmt != stored:
+        raise UserError(f"--type {fmt.name}: {path} is quantized to {stored.name} already; quantizing it again loses "
+                        f"accuracy twice (convert the original checkpoint instead)")
+    if predictors == EMBEDDED and w.predictors is None:
+        raise UserError(f"{path}: has no predictors of its own (a PowerInfer GGUF has); pass --predictors or --dense")
+    check_memory(path, w.config, fmt or stored, FORMATS["f32"] if device != "cpu" else None)
+    engine = Engine.load(path, threads, fmt)
     if predictors is not None:
-        apply_predictors(engine, predictors, predictor_threshold)
+        apply_predictors(engine, engine.file_predictors if predictors == EMBEDDED else predictors, predictor_threshold,
+                         format_of(predictor_type, "--predictor-type") if predictor_type else None)
     if device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
     engine.warm_up()
     return engine
+
+
+def memory_available() -> int:
+    """Bytes the kernel can give this process without swapping (MemAvailable; page cache counts as available)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: do not refuse
+
+
+def check_memory(path, cfg, fmt: Format, host_copy: Format | None = None) -> None:
+    """Refuse, before loading, a model whose laid-out weights and KV cache exceed the memory available (instead of
+    the kernel killing the process half-way): the bytes it needs and the bytes there are."""
+    weights = sum(fmt.nbytes(s) if len(s) == 2 else 4 * s[0] for s in expected_shapes(cfg).values())
+    if host_copy is not None:  # a GPU run lays out f32 first
+        weights = sum(host_copy.nbytes(s) for s in expected_shapes(cfg).values())
+    kv = 2 * cfg.n_layers * cfg.max_seq_len * cfg.n_kv_heads * cfg.head_dim * 4
+    need, have = weights + kv, memory_available()
+    if need > have:
+        raise UserError(f"{path}: needs {need / GiB:.1f} GiB of memory ({fmt.name} weights {weights / GiB:.1f} GiB, "
+                        f"KV cache {kv / GiB:.1f} GiB), {have / GiB:.1f} GiB available")
 
 
 def place_on_gpu(engine: Engine, model_dir: Path, device: str, placement=None, vram_budget: float | None = None,

@@ -8,7 +8,8 @@ from pathlib import Path
 try:  # numba and the kernels take a second to import: a Ctrl-C then is an exit, not a traceback
     import click
 
-    from fast.load import DEVICES, POLICIES, kernels_cached, load_engine
+    from fast.load import DEVICES, EMBEDDED, POLICIES, kernels_cached, load_engine
+    from ref.common.checkpoint import load_checkpoint
     from ref.common.cli import Generation, finite, generate_session, generation_options, user_errors
     from ref.common.errors import UserError
     from ref.common.formats import FORMATS
@@ -22,7 +23,7 @@ except KeyboardInterrupt:
 @generation_options
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: all cores].")
 @click.option("--type", "type_", type=click.Choice(list(FORMATS)), default=None,
-              help="Weight format to run in [default: as stored; f32 on a GPU]. The CPU kernels read f32, f16, bf16.")
+              help="Weight format to run in [default: as stored; f32 on a GPU].")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid) [default: 90% of the card].")
 @click.option("--placement", type=click.Path(path_type=Path), default=None, help="Placement file [default: solved for the budget].")
@@ -31,11 +32,13 @@ except KeyboardInterrupt:
 @click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors).")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
 @click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold.")
+@click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
+              help="Format to run the predictors in [default: as saved].")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
 @user_errors
 def main(gen: Generation, threads, type_, device, vram_budget, placement, policy, dense, predictors,
-         predictor_threshold, json_file):
-    """Generate text from MODEL_DIR (default: the shipped model) with the numba engine."""
+         predictor_threshold, predictor_type, json_file):
+    """Generate text from MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) with the numba engine."""
     model_dir = gen.check().model_dir
     if dense and predictors is not None:
         raise UserError("--dense and --predictors contradict each other")
@@ -47,16 +50,23 @@ def main(gen: Generation, threads, type_, device, vram_budget, placement, policy
     if json_file is not None and not json_file.parent.is_dir():
         raise UserError(f"--json {json_file}: folder {json_file.parent} does not exist")
     finite(predictor_threshold, "--predictor-threshold")
-    if predictors is None and not dense and (model_dir / "predictors.safetensors").is_file():
-        predictors = model_dir / "predictors.safetensors"
+    if dense and (predictor_threshold is not None or predictor_type is not None):
+        raise UserError(f"--dense runs no predictors: {'--predictor-threshold' if predictor_threshold is not None else '--predictor-type'} has nothing to act on")
+    if predictors is None and not dense:  # a folder's predictors.safetensors, a PowerInfer file's own
+        if model_dir.is_dir() and (model_dir / "predictors.safetensors").is_file():
+            predictors = model_dir / "predictors.safetensors"
+        elif model_dir.is_file() and load_checkpoint(model_dir).predictors is not None:
+            predictors = EMBEDDED
     if not kernels_cached():
         click.echo("compiling kernels (the first run only, about 20 s)...", err=True)
     t0 = time.perf_counter()
     engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
-                         threads=threads, predictor_threshold=predictor_threshold, policy=policy, type_=type_)
+                         threads=threads, predictor_threshold=predictor_threshold, policy=policy, type_=type_,
+                         predictor_type=predictor_type)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
-    mode = f"sparse ({predictors}, threshold {engine.selector.threshold})" if predictors else "dense"
+    source = f"{model_dir}'s own" if predictors == EMBEDDED else predictors
+    mode = f"sparse ({source}, threshold {engine.selector.threshold})" if predictors else "dense"
     threads_line = f"{engine.threads} thread{'s' if engine.threads > 1 else ''}"
     about = (f"; {threads_line}; weights {engine.format.name}; FFN {mode}; "
              f"kernels ready in {engine.compile_seconds:.2f} s")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ref.common.batch import Batch, KVCache, check_batch
+from ref.common.checkpoint import load_checkpoint
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.safetensors import upcast
@@ -101,9 +102,10 @@ class Model:
 
     @staticmethod
     def load(path: str | Path, dtype=np.float32) -> "Model":
-        """The dense model of an HF folder, as its family defines it; nothing else (features are transforms)."""
-        cfg = ModelConfig.from_hf(path)
-        return FAMILIES[cfg.family](cfg, Weights.load(path, cfg), dtype)
+        """The dense model of an HF folder or GGUF file, as its family defines it; nothing else (features are
+        transforms; a PowerInfer file's predictors wait in `weights.predictors`)."""
+        w = load_checkpoint(path)
+        return FAMILIES[w.config.family](w.config, w, dtype)
 
     def w(self, name: str) -> np.ndarray:
         return upcast(self.weights[name], self.dtype)

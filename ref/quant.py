@@ -16,6 +16,7 @@ Dimensions: N rows, n elements per row, B = n / 32 blocks per row.
 
 import numpy as np
 
+from ref.common.artifacts import Predictors
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format, format_of
 from ref.common.safetensors import BF16, to_bf16_bits, upcast
@@ -89,6 +90,11 @@ class Transposed:
     def __init__(self, t):
         self.t, self.shape = t, tuple(t.shape[::-1])
 
+    @property
+    def T(self):
+        """The stored transpose [F, D]."""
+        return self.t
+
     def __getitem__(self, index):
         rows, cols = index
         if rows != slice(None):
@@ -99,7 +105,7 @@ class Transposed:
         return upcast(self.t, dtype).T
 
 
-def quantize(x: np.ndarray, fmt: str | Format, name: str = "tensor"):
+def quantize(x: np.ndarray, fmt: str | Format, name: str = "tensor", flag: str = "--type"):
     """x [..., n] stored in `fmt`: a float32 or float16 array, BF16 bits, or Quantized blocks."""
     fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -110,7 +116,7 @@ def quantize(x: np.ndarray, fmt: str | Format, name: str = "tensor"):
     if fmt.name == "bf16":
         return BF16(to_bf16_bits(x))
     if x.shape[-1] % fmt.block:
-        raise UserError(f"--type {fmt.name}: {name} has rows of {x.shape[-1]} elements, not whole blocks of {fmt.block}")
+        raise UserError(f"{flag} {fmt.name}: {name} has rows of {x.shape[-1]} elements, not whole blocks of {fmt.block}")
     blocks = CODECS[fmt.name][0](x.reshape(-1, fmt.block))  # [N B, block_bytes]
     return Quantized(fmt, blocks.reshape(*x.shape[:-1], -1), x.shape)
 
@@ -153,6 +159,15 @@ def values(b: np.ndarray) -> np.ndarray:
     if fmt.name == "bf16":
         return BF16(b.view(np.uint16)).astype(np.float32)
     return Quantized(fmt, b.view(np.uint8), (*b.shape[:-1], b.shape[-1] * fmt.block)).astype(np.float32)
+
+
+def quantize_predictors(pred: Predictors, fmt: str | Format) -> Predictors:
+    """The predictors with fc1 and fc2 stored in `fmt` (the recall each format keeps: scripts/eval_sparse.py
+    --predictor-type); a format whose blocks do not divide a layer's hidden size R is refused."""
+    fmt = fmt if isinstance(fmt, Format) else format_of(fmt, "--predictor-type")
+    fc1 = [quantize(upcast(a), fmt, f"layer {l}'s fc1", "--predictor-type") for l, a in enumerate(pred.fc1)]
+    fc2 = [quantize(upcast(b), fmt, f"layer {l}'s fc2", "--predictor-type") for l, b in enumerate(pred.fc2)]
+    return Predictors(fc1, fc2, pred.threshold, {**pred.metadata, "format": fmt.name})
 
 
 def quantize_model(model, fmt: str | Format):

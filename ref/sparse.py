@@ -18,9 +18,12 @@ from ref.model import Model, ffn_activation, fired, require_sparse, rmsnorm
 from ref.quant import input_values
 
 
-def predictor_logits(h: np.ndarray, fc1: np.ndarray, fc2: np.ndarray) -> np.ndarray:
-    """fc2 . relu(fc1 . h), PowerInfer's predictor.  h: [T, D], fc1: [R, D], fc2: [F, R] -> [T, F]."""
-    return np.maximum(h @ fc1.T, 0) @ fc2.T
+def predictor_logits(h: np.ndarray, fc1, fc2) -> np.ndarray:
+    """fc2 . relu(fc1 . h), PowerInfer's predictor.  h: [T, D], fc1: [R, D], fc2: [F, R] -> [T, F].
+
+    fc1 and fc2 as stored (any format); each product reads its input as the format does (ref.quant.input_values)."""
+    r = np.maximum(input_values(h, fc1) @ upcast(fc1, h.dtype).T, 0)  # [T, R]
+    return input_values(r, fc2) @ upcast(fc2, h.dtype).T
 
 
 def predicted_set(logits: np.ndarray, threshold: float = 0.0) -> np.ndarray:

@@ -1,18 +1,19 @@
 """Accuracy of sparse execution: perplexity for dense, predictor-sparse and oracle-sparse, and per-layer recall, with
-the weights in their stored format or in the one --type names."""
+the weights in their stored format or in the one --type names, the predictors in the one --predictor-type names."""
 
 import json
 from pathlib import Path
 
 import click
 
+from ref.common.artifacts import Predictors
 from ref.common.cli import check_model_dir, resolve_corpus, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.evaluate import measure_predictors, perplexity
 from ref.model import Model
 from ref.common.formats import FORMATS, format_of
 from ref.profile import corpus_windows
-from ref.quant import quantize_model
+from ref.quant import quantize_model, quantize_predictors
 from ref.sparse import apply_oracle, apply_predictors
 
 
@@ -24,12 +25,14 @@ from ref.sparse import apply_oracle, apply_predictors
 @click.option("--window", type=int, default=256, show_default=True)
 @click.option("--predictor-threshold", type=float, default=None, help="Override the stored threshold.")
 @click.option("--type", "type_", default=None, help=f"Weight format: {', '.join(FORMATS)} [default: as stored].")
+@click.option("--predictor-type", default=None, help=f"Store the predictors in this format: {', '.join(FORMATS)} [default: as saved, f32].")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON.")
 @user_errors
-def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold, type_, json_file):
+def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold, type_, predictor_type, json_file):
     """Perplexity on held-out text for dense, predictor-sparse and oracle-sparse execution."""
     check_model_dir(model_dir)
     fmt = format_of(type_) if type_ else None
+    pfmt = format_of(predictor_type, "--predictor-type") if predictor_type else None
     corpus = resolve_corpus(corpus, "val.txt")
     predictors = predictors or model_dir / "predictors.safetensors"
     tok = load_tokenizer(model_dir)
@@ -42,11 +45,13 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
 
     ppl_dense, n = perplexity(load(), windows(), "dense")
     ppl_oracle, _ = perplexity(apply_oracle(load()), windows(), "oracle")
-    sparse = apply_predictors(load(), predictors, predictor_threshold)
+    loaded = Predictors.load(predictors, load().config)
+    sparse = apply_predictors(load(), loaded if pfmt is None else quantize_predictors(loaded, pfmt), predictor_threshold)
     ppl_pred, _ = perplexity(sparse, windows(), "predictor")
     layers = measure_predictors(sparse, windows())
 
-    click.echo(f"{n:,} tokens of {corpus}; weights {fmt.name if fmt else 'as stored'}")
+    click.echo(f"{n:,} tokens of {corpus}; weights {fmt.name if fmt else 'as stored'}; "
+               f"predictors {pfmt.name if pfmt else 'as saved'}")
     click.echo("execution        | perplexity | vs dense")
     for name, p in (("dense", ppl_dense), ("oracle-sparse", ppl_oracle), ("predictor-sparse", ppl_pred)):
         click.echo(f"{name:16} | {p:10.4f} | {p / ppl_dense - 1:+.4%}")
@@ -58,7 +63,7 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
     click.echo(f" mean | {mean('recall'):6.3f} | {mean('precision'):9.3f} | {mean('predicted_fraction'):9.1%} | "
                f"{mean('fired_fraction'):5.1%} | threshold {sparse.selector.threshold}")
     if json_file:
-        out = {"tokens": n, "type": fmt.name if fmt else None, "perplexity": {"dense": ppl_dense, "oracle": ppl_oracle, "predictor": ppl_pred},
+        out = {"tokens": n, "type": fmt.name if fmt else None, "predictor_type": pfmt.name if pfmt else None, "perplexity": {"dense": ppl_dense, "oracle": ppl_oracle, "predictor": ppl_pred},
                "threshold": sparse.selector.threshold, "layers": layers}
         json_file.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -101,14 +101,15 @@ def load_activations(path: str | Path, n_layers: int | None = None, d_ffn: int |
 
 
 class Predictors:
-    """Per-layer predictor weights (fc1 [R_l, D], fc2 [F, R_l], float32) and the threshold, checked against a model."""
+    """Per-layer predictor weights (fc1 [R_l, D], fc2 [F, R_l]; float32 as trained and saved, or stored in another
+    format by ref.quant.quantize_predictors) and the threshold, checked against a model."""
 
     def __init__(self, fc1: list, fc2: list, threshold: float, metadata: dict):
         self.fc1, self.fc2, self.threshold, self.metadata = fc1, fc2, threshold, metadata
 
     @property
     def n_params(self) -> int:
-        return sum(a.size + b.size for a, b in zip(self.fc1, self.fc2))
+        return sum(int(np.prod(a.shape)) + int(np.prod(b.shape)) for a, b in zip(self.fc1, self.fc2))
 
     @staticmethod
     def load(path: str | Path, cfg) -> "Predictors":

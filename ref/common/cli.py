@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from ref.common.errors import UserError
+from ref.common.gguf_io import is_gguf
 from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-relu-llama"
@@ -48,7 +49,7 @@ class Generation:
         if self.model_dir == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
             raise UserError(f"no MODEL_DIR given, and the shipped model is not at {DEFAULT_MODEL} (an editable install, "
                             "pip install -e ., keeps data/ beside the code): pass MODEL_DIR or -m")
-        check_model_dir(self.model_dir)
+        check_model_dir(self.model_dir, gguf=True)
         if self.prompt is not None and self.prompt_file is not None:
             raise UserError("-p/--prompt and -f/--file both give a prompt: pass one")
         if self.prompt_file is not None:
@@ -136,11 +137,12 @@ def user_errors(f):
     return wrapper
 
 
-def check_model_dir(path: Path) -> None:
+def check_model_dir(path: Path, gguf: bool = False) -> None:
+    """A model folder, or where `gguf` says so also a GGUF file (known by its magic)."""
     if not path.exists():
-        raise UserError(f"MODEL_DIR {path}: no such folder")
-    if not path.is_dir():
-        raise UserError(f"MODEL_DIR {path}: not a folder")
+        raise UserError(f"MODEL_DIR {path}: no such folder{' or file' if gguf else ''}")
+    if not path.is_dir() and not (gguf and is_gguf(path)):
+        raise UserError(f"MODEL_DIR {path}: not a folder{' or a GGUF file' if gguf else ''}")
 
 
 def resolve_seed(seed: int) -> int:

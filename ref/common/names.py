@@ -23,6 +23,26 @@ HF_NAMES = {
         "layers.{l}.wd": "model.layers.{l}.mlp.down_proj.weight",
     },
 }
+# Family -> (our name -> GGUF name), llama.cpp's names (gguf-py's TENSOR_NAMES). PowerInfer's files store the down
+# matrix transposed as blk.{l}.ffn_down_t.weight and add the predictors blk.{l}.fc1 / fc2 (ref.common.gguf_io).
+GGUF_NAMES = {
+    "llama": {
+        "embed": "token_embd.weight",
+        "norm": "output_norm.weight",
+        "lm_head": "output.weight",
+        "layers.{l}.attn_norm": "blk.{l}.attn_norm.weight",
+        "layers.{l}.wq": "blk.{l}.attn_q.weight",
+        "layers.{l}.wk": "blk.{l}.attn_k.weight",
+        "layers.{l}.wv": "blk.{l}.attn_v.weight",
+        "layers.{l}.wo": "blk.{l}.attn_output.weight",
+        "layers.{l}.ffn_norm": "blk.{l}.ffn_norm.weight",
+        "layers.{l}.wg": "blk.{l}.ffn_gate.weight",
+        "layers.{l}.wu": "blk.{l}.ffn_up.weight",
+        "layers.{l}.wd": "blk.{l}.ffn_down.weight",
+    },
+}
+# GGUF `general.architecture` -> HF architecture (ref.common.config.ARCHITECTURES says its family).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "bamboo": "BambooForCausalLM"}
 # Buffers some exports carry that hold nothing the model needs (RoPE frequencies are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -49,9 +69,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return SHAPES[cfg.family](cfg)
 
 
-def hf_name(cfg: ModelConfig, name: str) -> str:
-    names = HF_NAMES[cfg.family]
+def lookup(table: dict[str, str], name: str) -> str:
+    """Our name -> a name table's, `{l}` filled in."""
     if name.startswith("layers."):
         _, l, rest = name.split(".", 2)
-        return names["layers.{l}." + rest].format(l=l)
-    return names[name]
+        return table["layers.{l}." + rest].format(l=l)
+    return table[name]
+
+
+def hf_name(cfg: ModelConfig, name: str) -> str:
+    return lookup(HF_NAMES[cfg.family], name)
+
+
+def gguf_name(cfg: ModelConfig, name: str) -> str:
+    return lookup(GGUF_NAMES[cfg.family], name)

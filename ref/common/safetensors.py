@@ -88,7 +88,9 @@ def release(tensors) -> None:
     they are read again), so that a process copying a checkpoint into a layout of its own holds one copy, not two."""
     maps = {}
     for t in tensors:
-        a = t.bits if isinstance(t, BF16) else t
+        a = t
+        while not isinstance(a, np.ndarray):  # the array inside a stored form (BF16 bits, quantized blocks, a transpose)
+            a = next(getattr(a, f) for f in ("bits", "blocks", "t") if hasattr(a, f))
         while a is not None and not isinstance(a, np.memmap):
             a = a.base
         while isinstance(a, np.memmap) and a._mmap is None:  # a view: its base holds the mapping

@@ -3,9 +3,11 @@
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
+from ref.common.gguf_io import gguf_metadata, is_gguf
 
 
 class Tokenizer:
@@ -26,8 +28,11 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """`tokenizer.json` of a model folder; BOS and EOS ids from its `config.json` when there is one."""
+    """`tokenizer.json` of a model folder, BOS and EOS ids from its `config.json` when there is one; or a GGUF
+    file's tokenizer (`gguf_tokenizer`)."""
     path = Path(path)
+    if is_gguf(path):
+        return gguf_tokenizer(path)
     model_dir = path if path.is_dir() else path.parent
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
@@ -40,3 +45,42 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return Tokenizer(tok, None, ())
     cfg = ModelConfig.from_hf(model_dir)
     return Tokenizer(tok, cfg.bos_token_id, cfg.eos_token_ids)
+
+
+def gguf_tokenizer(path: Path) -> Tokenizer:
+    """A GGUF file's tokenizer: its tokenizer.huggingface.json when it has one, else one built from llama.cpp's
+    tokenizer.ggml.* metadata ('gpt2': byte-level BPE from tokens and merges; 'llama': SentencePiece BPE from tokens
+    and scores, merges ranked by the merged piece's score, as transformers' GGUF converter does)."""
+    meta = gguf_metadata(path)
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = () if eos is None else (int(eos),)
+    hf_json = meta.get("tokenizer.huggingface.json")
+    if hf_json is not None:
+        return Tokenizer(HFTokenizer.from_str(hf_json), bos, eos_ids)
+    kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise UserError(f"{path}: no tokenizer (neither tokenizer.huggingface.json nor tokenizer.ggml.tokens)")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tok = HFTokenizer(models.BPE(vocab, merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        merges = []
+        for piece, i in vocab.items():  # every split of a piece into two pieces is a merge, ranked by its score
+            merges += [(piece[:k], piece[k:], scores[i]) for k in range(1, len(piece))
+                       if piece[:k] in vocab and piece[k:] in vocab]
+        merges.sort(key=lambda m: -m[2])
+        unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+        tok = HFTokenizer(models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=tokens[unk], fuse_unk=True,
+                                     byte_fallback=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        raise UserError(f"{path}: tokenizer.ggml.model '{kind}' is not supported (supported: gpt2, llama)")
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens([tokens[i] for i, t in enumerate(types) if t == 3])  # CONTROL
+    return Tokenizer(tok, bos, eos_ids)

@@ -34,9 +34,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 class Weights:
     """The checked tensors of one checkpoint, by our names, memory-mapped in their stored dtype."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray]):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], predictors=None):
         self.config = cfg
         self.tensors = tensors
+        self.predictors = predictors  # a PowerInfer file's own (ref.common.artifacts.Predictors), else None
 
     def __getitem__(self, name: str):
         return self.tensors[name]

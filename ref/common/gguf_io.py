@@ -1,0 +1,310 @@
+"""GGUF files in and out, with llama.cpp's `gguf` package: llama.cpp's layout (magic GGUF) and PowerInfer's (magic
+PWRI; per-layer predictors blk.N.fc1 / blk.N.fc2, the down matrix transposed as blk.N.ffn_down_t,
+`powerinfer.sparse_threshold`).
+
+Reading gives what an HF folder gives: a ModelConfig, the Weights by our names (memory-mapped in their stored
+format, Q/K rows put back in HF order), the embedded predictors if any, and the tokenizer. Writing streams one
+tensor at a time into a temporary file that is renamed when complete. llama.cpp's converter permutes the rows of
+attn_q and attn_k per head (its RoPE rotates adjacent pairs, HF's rotate-half pairs i and i + E/2); PowerInfer's
+LLaMA code expects the same, so we write them permuted and undo it when reading.
+
+Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V vocab, R predictor hidden size.
+"""
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ref.common.artifacts import Predictors
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS, Format
+from ref.common.names import GGUF_ARCHITECTURES, expected_shapes, gguf_name
+from ref.common.safetensors import BF16
+from ref.quant import Quantized, Transposed, blocks
+
+MAGICS = {b"GGUF": "gguf", b"PWRI": "powerinfer"}
+THRESHOLD_KEY = "powerinfer.sparse_threshold"
+# The FFN kind is not in llama.cpp's metadata: its llama graph is SwiGLU, PowerInfer's sparse one ReLU. Files we write
+# say which, under this key; others get their runtime's convention.
+ACT_KEY = "powerinfer_py.hidden_act"
+ACT_PARAM_KEY = "powerinfer_py.hidden_act_param"  # FATReLU's threshold
+DEFAULT_ACT = {"gguf": "silu", "powerinfer": "relu"}
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # general.file_type (llama_ftype)
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` is a GGUF or PowerInfer file, by its first four bytes (never by its name)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) in MAGICS
+
+
+def rope_rows(n_heads: int, E: int, to_gguf: bool) -> np.ndarray:
+    """Row order that turns HF's q/k rows [n_heads E, D] into llama.cpp's (row 2i of a head = HF row i, row 2i + 1 =
+    HF row i + E/2), or back. Whole rows move, so it applies to any stored format."""
+    idx = np.arange(n_heads * E)
+    if to_gguf:
+        return idx.reshape(n_heads, 2, E // 2).swapaxes(1, 2).reshape(-1)
+    return idx.reshape(n_heads, E // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+def _reader(path: Path):
+    """gguf's reader over the file; a PWRI file is read as the GGUF it is under another magic."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            got = super()._get(offset, dtype, count, override_order)
+            if offset == 0 and count == 1 and self.data[:4].tobytes() == b"PWRI":
+                return np.array([gguf.GGUF_MAGIC], dtype=got.dtype)
+            return got
+
+    try:
+        return Reader(path)
+    except (ValueError, IndexError, TypeError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not a readable GGUF file, truncated or corrupt ({str(e).splitlines()[0][:100]})") from None
+
+
+class Metadata:
+    """The key-value section of a GGUF file, with one-line errors naming the file and key."""
+
+    def __init__(self, path: Path, reader):
+        self.path, self.fields = path, reader.fields
+
+    def get(self, key: str, default=None):
+        f = self.fields.get(key)
+        return default if f is None else f.contents()
+
+    def need(self, key: str):
+        if key not in self.fields:
+            raise UserError(f"{self.path}: metadata key '{key}' is missing")
+        return self.get(key)
+
+
+def gguf_metadata(path: str | Path) -> Metadata:
+    path = Path(path)
+    return Metadata(path, _reader(path))
+
+
+def config_from_gguf(meta: Metadata, kind: str, tied: bool) -> ModelConfig:
+    """ModelConfig from a GGUF's metadata, through the same checks as config.json."""
+    arch = meta.need("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UserError(f"{meta.path}: architecture '{arch}' is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
+    D, H = meta.need(f"{arch}.embedding_length"), meta.need(f"{arch}.attention.head_count")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    raw = {
+        "architectures": [GGUF_ARCHITECTURES[arch]], "hidden_size": D, "num_attention_heads": H,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", H),
+        "head_dim": meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", D // H)),
+        "intermediate_size": meta.need(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.need(f"{arch}.block_count"),
+        "max_position_embeddings": meta.need(f"{arch}.context_length"),
+        "rms_norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "vocab_size": meta.get(f"{arch}.vocab_size", len(tokens) if tokens else None),
+        "hidden_act": meta.get(ACT_KEY, DEFAULT_ACT[kind]), "hidden_act_param": meta.get(ACT_PARAM_KEY, 0.0),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "tie_word_embeddings": tied, "torch_dtype": "float32",
+    }
+    if raw["vocab_size"] is None:
+        raise UserError(f"{meta.path}: neither '{arch}.vocab_size' nor 'tokenizer.ggml.tokens' gives the vocabulary size")
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or meta.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        raw["rope_scaling"] = {"type": meta.get(f"{arch}.rope.scaling.type")}
+    return ModelConfig.from_dict(raw, source=str(meta.path))
+
+
+def stored(path: Path, t):
+    """A GGUF tensor as the stored form ref.quant reads (memory-mapped, no copy): float32 / float16 arrays, BF16
+    bits, or Quantized blocks; shapes in numpy order [rows, n]."""
+    from gguf import GGMLQuantizationType as Q
+    shape = tuple(int(s) for s in reversed(t.shape))
+    kind = Q(t.tensor_type)
+    if kind in (Q.F32, Q.F16):
+        return t.data.reshape(shape)
+    if kind == Q.BF16:
+        return BF16(t.data.view(np.uint16).reshape(shape))
+    if kind.name.lower() in ("q8_0", "q4_0"):
+        return Quantized(FORMATS[kind.name.lower()], t.data.reshape(*shape[:-1], -1), shape)
+    raise UserError(f"{path}: tensor {t.name} is {kind.name}; this engine reads F32, F16, BF16, Q8_0 and Q4_0")
+
+
+@dataclass
+class GGUFCheckpoint:
+    kind: str  # "gguf" (llama.cpp) or "powerinfer"
+    config: ModelConfig
+    tensors: dict  # our name -> stored tensor
+    predictors: Predictors | None
+    meta: Metadata
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Config, weights by our names (exact tensor set and shapes checked), and embedded predictors of a GGUF file."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        kind = MAGICS.get(f.read(4))
+    if kind is None:
+        raise UserError(f"{path}: not a GGUF file (no GGUF or PWRI magic)")
+    reader = _reader(path)
+    meta = Metadata(path, reader)
+    found = {t.name: t for t in reader.tensors}
+    cfg = config_from_gguf(meta, kind, tied="output.weight" not in found)
+    tensors, used = {}, set()
+    for ours, shape in expected_shapes(cfg).items():
+        gname = gguf_name(cfg, ours)
+        transposed = gname.replace("ffn_down.", "ffn_down_t.")
+        if gname not in found and ours.endswith(".wd") and transposed in found:
+            t = stored(path, found[transposed])
+            want, gname, t = shape[::-1], transposed, Transposed(t)
+            got = tuple(t.t.shape)
+        else:
+            if gname not in found:
+                raise UserError(f"{path}: tensor {gname} is missing")
+            t, want = stored(path, found[gname]), shape
+            got = tuple(t.shape)
+        if got != want:
+            raise UserError(f"{path}: tensor {gname} has shape {got}, the metadata implies {want}")
+        if ours.endswith((".wq", ".wk")):  # llama.cpp's row order -> HF's
+            t = t[rope_rows(shape[0] // cfg.head_dim, cfg.head_dim, to_gguf=False)]
+        tensors[ours] = t
+        used.add(gname)
+    predictors = read_predictors(path, cfg, found, meta, used)
+    extra = sorted(set(found) - used)
+    if extra:
+        raise UserError(f"{path}: {len(extra)} unexpected tensor(s), first {extra[0]}")
+    return GGUFCheckpoint(kind, cfg, tensors, predictors, meta)
+
+
+def read_predictors(path: Path, cfg: ModelConfig, found: dict, meta: Metadata, used: set) -> Predictors | None:
+    """blk.N.fc1 [R_N, D] and blk.N.fc2 [F, R_N] for every layer, or None when the file has none."""
+    names = [(f"blk.{l}.fc1.weight", f"blk.{l}.fc2.weight") for l in range(cfg.n_layers)]
+    have = [a in found and b in found for a, b in names]
+    if not any(a in found or b in found for a, b in names):
+        return None
+    if not all(have):
+        missing = next(n for pair in names for n in pair if n not in found)
+        raise UserError(f"{path}: predictors do not match the {cfg.n_layers} layers: {missing} is missing")
+    fc1, fc2 = [], []
+    for l, (a, b) in enumerate(names):
+        x, y = stored(path, found[a]), stored(path, found[b])
+        if len(x.shape) != 2 or x.shape[1] != cfg.d_model or tuple(y.shape) != (cfg.d_ffn, x.shape[0]):
+            raise UserError(f"{path}: layer {l} predictor has fc1 {tuple(x.shape)}, fc2 {tuple(y.shape)}; "
+                            f"the model needs fc1 [R, {cfg.d_model}], fc2 [{cfg.d_ffn}, R]")
+        fc1.append(x)
+        fc2.append(y)
+        used.update((a, b))
+    return Predictors(fc1, fc2, float(meta.get(THRESHOLD_KEY, 0.0)), {"source": str(path)})
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+@dataclass
+class Planned:
+    """One tensor of the file to write: its GGUF name, numpy shape, format, and how to compute it when its turn comes."""
+    name: str
+    shape: tuple[int, ...]
+    fmt: Format
+    make: object  # () -> stored tensor (ndarray, BF16 or Quantized)
+
+
+def tensor_bytes(t) -> np.ndarray:
+    """A stored tensor's bytes as GGUF lays them out (row-major, llama.cpp's blocks)."""
+    b = blocks(t)
+    return np.ascontiguousarray(b).view(np.uint8).reshape(-1) if b.dtype != np.float32 else b
+
+
+def write_gguf(out: Path, kind: str, arch: str, kv: list, planned: list[Planned], progress=None) -> int:
+    """Write a GGUF (kind 'gguf') or PowerInfer (kind 'powerinfer': magic PWRI) file: metadata `kv` as (method,
+    *args) calls on gguf.GGUFWriter, then each planned tensor computed and written in turn. Atomic: a temporary
+    file beside `out`, renamed when complete (an interruption leaves nothing). Returns the file's size."""
+    import gguf
+    qtypes = {f.name: gguf.GGMLQuantizationType[f.name.upper()] for f in FORMATS.values()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(None, arch)
+        for method, *args in kv:
+            getattr(w, method)(*args)
+        for p in planned:
+            w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.fmt.nbytes(p.shape), raw_dtype=qtypes[p.fmt.name])
+        w.write_header_to_file(Path(tmp))
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, p in enumerate(planned):
+            data = tensor_bytes(p.make())
+            if data.nbytes != p.fmt.nbytes(p.shape):
+                raise ValueError(f"{p.name}: {data.nbytes} bytes computed, {p.fmt.nbytes(p.shape)} planned")
+            w.write_tensor_data(data)
+            if progress is not None:
+                progress(i + 1, len(planned), p.fmt.nbytes(p.shape))
+        w.close()
+        if kind == "powerinfer":
+            with open(tmp, "r+b") as f:
+                f.write(b"PWRI")
+        os.chmod(tmp, 0o666 & ~_umask())
+        size = os.path.getsize(tmp)
+        os.replace(tmp, out)
+        return size
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def tokenizer_kv(tokenizer_json: str, cfg: ModelConfig) -> list:
+    """llama.cpp's tokenizer metadata for a byte-level BPE tokenizer.json ('gpt2'), plus the file itself as
+    tokenizer.huggingface.json (llama.cpp's metadata has no place for its normalizer, e.g. lowercasing)."""
+    tj = json.loads(tokenizer_json)
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise UserError(f"tokenizer.json: a {model.get('type')} model; GGUF export writes byte-level BPE tokenizers only")
+    vocab = dict(model["vocab"])
+    special = set()
+    for t in tj.get("added_tokens", []):
+        vocab[t["content"]] = t["id"]
+        if t.get("special"):
+            special.add(t["id"])
+    n = max(cfg.vocab_size, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    for s, i in vocab.items():
+        tokens[i] = s
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    types = [3 if i in special else 1 for i in range(n)]  # CONTROL, NORMAL
+    kv = [("add_tokenizer_model", "gpt2"), ("add_tokenizer_pre", "default"), ("add_token_list", tokens),
+          ("add_token_types", types), ("add_token_merges", merges), ("add_add_bos_token", cfg.bos_token_id is not None),
+          ("add_string", "tokenizer.huggingface.json", tokenizer_json)]
+    if cfg.bos_token_id is not None:
+        kv.append(("add_bos_token_id", cfg.bos_token_id))
+    if cfg.eos_token_ids:
+        kv.append(("add_eos_token_id", cfg.eos_token_ids[0]))
+    return kv
+
+
+def model_kv(cfg: ModelConfig, arch: str, fmt: Format, name: str) -> list:
+    """llama.cpp's model metadata for a config."""
+    kv = [("add_name", name), ("add_file_type", FILE_TYPES[fmt.name]), ("add_context_length", cfg.max_seq_len),
+          ("add_embedding_length", cfg.d_model), ("add_block_count", cfg.n_layers),
+          ("add_feed_forward_length", cfg.d_ffn), ("add_rope_dimension_count", cfg.head_dim),
+          ("add_head_count", cfg.n_heads), ("add_head_count_kv", cfg.n_kv_heads),
+          ("add_layer_norm_rms_eps", cfg.rms_norm_eps), ("add_rope_freq_base", cfg.rope_theta),
+          ("add_vocab_size", cfg.vocab_size), ("add_string", ACT_KEY, cfg.ffn_kind),
+          ("add_float32", ACT_PARAM_KEY, cfg.act_threshold)]
+    if cfg.head_dim != cfg.d_model // cfg.n_heads:
+        kv += [("add_key_length", cfg.head_dim), ("add_value_length", cfg.head_dim)]
+    if fmt.quantized:
+        kv.append(("add_quantization_version", 2))
+    return kv

@@ -1,0 +1,283 @@
+"""GGUF in and out: files we write read back with llama.cpp's own `gguf` reader; fast on a converted file computes what
+fast on the HF folder computes at that format; PowerInfer's files run sparse with their own predictors; bad files
+are one clear line."""
+
+import shutil
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+import ref
+from fast import Engine, apply_predictors
+from fast.load import load_engine
+from ref.common.artifacts import Predictors
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS
+from ref.common.gguf_io import read_gguf, rope_rows
+from ref.common.tokenizer import load_tokenizer
+from ref.quant import quantize_predictors, values
+from tests.helpers import ROOT, SHIPPED, assert_close
+
+TYPES = ["f16", "q8_0", "q4_0"]
+IDS = np.array([1, 57, 300, 12, 901, 4000, 7, 7, 2])
+
+
+def convert(*args):
+    return subprocess.run([sys.executable, "-m", "fast.convert", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The shipped model converted: PowerInfer layout in each type, and llama.cpp's (--dense) in q8_0."""
+    d = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for t in TYPES:
+        r = convert(SHIPPED, "-o", d / f"m-{t}.gguf", "--type", t)
+        assert r.returncode == 0 and r.stdout.startswith(f"wrote {d / f'm-{t}.gguf'}: PowerInfer GGUF, {t}"), r.stderr
+        out[t] = d / f"m-{t}.gguf"
+    r = convert(SHIPPED, "-o", d / "dense.gguf", "--type", "q8_0", "--dense")
+    assert r.returncode == 0, r.stderr
+    out["dense"] = d / "dense.gguf"
+    return out
+
+
+def as_gguf_magic(path, tmp_path):
+    """A PWRI file with llama.cpp's magic, for gguf's reader (which knows only GGUF)."""
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(path, copy)
+    with open(copy, "r+b") as f:
+        assert f.read(4) == b"PWRI"
+        f.seek(0)
+        f.write(b"GGUF")
+    return copy
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_round_trip_through_llama_cpps_reader(files, fmt, tmp_path):
+    """Every tensor equals gguf.quants of the HF weights (q/k rows in llama.cpp's order, down transposed) and the
+    metadata says the model's shape."""
+    r = gguf.GGUFReader(as_gguf_magic(files[fmt], tmp_path))
+    m = ref.load_model(SHIPPED)
+    c, w = m.config, m.weights
+    t = {x.name: x for x in r.tensors}
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+
+    def check(name, want, kind=qtype):
+        got = t[name]
+        assert got.tensor_type == kind, name
+        ours = np.asarray(gguf.quants.quantize(np.ascontiguousarray(want, np.float32), kind)).view(np.uint8)
+        assert np.array_equal(np.asarray(got.data).view(np.uint8).reshape(ours.shape), ours), name
+
+    E = c.head_dim
+    check("blk.1.attn_q.weight", w["layers.1.wq"].astype(np.float32)[rope_rows(c.n_heads, E, True)])
+    check("blk.1.attn_k.weight", w["layers.1.wk"].astype(np.float32)[rope_rows(c.n_kv_heads, E, True)])
+    check("blk.2.ffn_gate.weight", w["layers.2.wg"].astype(np.float32))
+    check("blk.2.ffn_down_t.weight", w["layers.2.wd"].astype(np.float32).T)
+    check("output.weight", w["lm_head"].astype(np.float32))
+    check("blk.0.attn_norm.weight", w["layers.0.attn_norm"].astype(np.float32), gguf.GGMLQuantizationType.F32)
+    pred = Predictors.load(SHIPPED / "predictors.safetensors", c)
+    check("blk.3.fc2.weight", pred.fc2[3], gguf.GGMLQuantizationType.Q8_0 if fmt == "q4_0" else qtype)
+    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == c.n_layers
+    assert (meta["llama.embedding_length"], meta["llama.feed_forward_length"]) == (c.d_model, c.d_ffn)
+    assert (meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]) == (c.n_heads, c.n_kv_heads)
+    assert meta["powerinfer.sparse_threshold"] == pytest.approx(pred.threshold)
+    assert len(r.fields["tokenizer.ggml.tokens"].contents()) == c.vocab_size
+    assert len(r.tensors) == 3 + c.n_layers * 11  # PowerInfer's count: 9 block tensors + fc1 + fc2 per layer
+
+
+def test_dense_layout_is_llama_cpps(files):
+    r = gguf.GGUFReader(files["dense"])  # magic GGUF: the reader takes it as it is
+    names = {t.name for t in r.tensors}
+    assert "blk.0.ffn_down.weight" in names and not any("fc1" in n or "ffn_down_t" in n for n in names)
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_fast_on_the_file_is_fast_on_the_folder_at_that_format(files, fmt):
+    """Dense and with the file's own predictors: the same logits as the HF folder converted at load."""
+    on_file = Engine.load(files[fmt])
+    on_folder = Engine.load(SHIPPED, fmt=FORMATS[fmt])
+    assert on_file.format.name == fmt
+    assert_close(on_file.logits(IDS), on_folder.logits(IDS), rtol=1e-6)
+    pred = Predictors.load(SHIPPED / "predictors.safetensors", on_folder.config)
+    pfmt = "q8_0" if fmt == "q4_0" else fmt
+    sparse_file = apply_predictors(on_file, on_file.file_predictors)
+    sparse_folder = apply_predictors(on_folder, quantize_predictors(pred, pfmt))
+    assert sparse_file.selector.threshold == pytest.approx(pred.threshold)
+    assert_close(sparse_file.logits(IDS), sparse_folder.logits(IDS), rtol=1e-6)
+
+
+def test_ref_reads_the_file_too(files):
+    """ref loads a GGUF into the same Weights: the dense model at the file's values."""
+    m = ref.load_model(files["q8_0"])
+    want = ref.quant.quantize_model(ref.load_model(SHIPPED), "q8_0")
+    assert_close(m.logits(IDS), want.logits(IDS), rtol=1e-6)
+
+
+def test_the_file_carries_the_tokenizer(files, tmp_path):
+    text = "once upon a time, Lily saw a BIG dog."
+    assert load_tokenizer(files["q4_0"]).encode(text) == load_tokenizer(SHIPPED).encode(text)
+
+
+def test_tokenizer_from_llama_cpp_metadata_alone(files, tmp_path):
+    """Without tokenizer.huggingface.json: the byte-level BPE rebuilt from tokenizer.ggml.tokens and merges (the
+    shipped tokenizer's lowercasing is not in llama.cpp's metadata, so lowercase text)."""
+    r = gguf.GGUFReader(files["dense"])
+    w = gguf.GGUFWriter(tmp_path / "tok.gguf", "llama")
+    for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        f = r.fields[k]
+        w.add_key_value(k, f.contents(), f.types[0], f.types[-1])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tokenizer_model("gpt2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    text = "once upon a time, lily saw a big dog. she said: \"hello!\""
+    got, want = load_tokenizer(tmp_path / "tok.gguf"), load_tokenizer(SHIPPED)
+    assert got.encode(text) == want.encode(text) and got.decode(want.encode(text)) == want.decode(want.encode(text))
+
+
+def test_run_a_powerinfer_file_sparse_without_flags(files):
+    r = subprocess.run([sys.executable, "-m", "fast.run", files["q4_0"], "-p", "once upon a time", "-n", "6", "--temp",
+                        "0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "weights q4_0; FFN sparse" in r.stderr and "own, threshold" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+def write_gguf(path, arch="llama", tensors=(), magic=b"GGUF", **kv):
+    w = gguf.GGUFWriter(path, arch)
+    for k, v in kv.items():
+        getattr(w, f"add_{k}")(v)
+    for name, data, raw in tensors:
+        w.add_tensor(name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if magic != b"GGUF":
+        with open(path, "r+b") as f:
+            f.write(magic)
+    return path
+
+
+def test_unknown_architecture(tmp_path):
+    with pytest.raises(UserError, match="architecture 'gpt2' is not supported"):
+        read_gguf(write_gguf(tmp_path / "a.gguf", arch="gpt2"))
+
+
+def test_unknown_tensor_type(files, tmp_path):
+    """A Q5_0 matrix where this engine reads F32, F16, BF16, Q8_0 and Q4_0 only."""
+    r = gguf.GGUFReader(files["dense"])
+    w = gguf.GGUFWriter(tmp_path / "q5.gguf", "llama")
+    for k, f in r.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        if t.name == "blk.0.ffn_up.weight":
+            vals = values(np.asarray(t.data).view(FORMATS["q8_0"].dtype))
+            w.add_tensor(t.name, gguf.quants.quantize(vals, gguf.GGMLQuantizationType.Q5_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UserError, match="tensor blk.0.ffn_up.weight is Q5_0; this engine reads F32, F16, BF16, Q8_0"):
+        read_gguf(tmp_path / "q5.gguf")
+
+
+def test_truncated_file(files, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(files["q8_0"].read_bytes()[: files["q8_0"].stat().st_size // 2])
+    with pytest.raises(UserError, match="not a readable GGUF file, truncated or corrupt"):
+        read_gguf(cut)
+
+
+def test_predictors_that_do_not_match_the_layers(files, tmp_path):
+    """A PWRI file whose last layer lacks its fc2."""
+    src = gguf.GGUFReader(as_gguf_magic(files["f16"], tmp_path))
+    last = max(int(t.name.split(".")[1]) for t in src.tensors if t.name.startswith("blk."))
+    w = gguf.GGUFWriter(tmp_path / "p.gguf", "llama")
+    for k, f in src.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in src.tensors:
+        if t.name != f"blk.{last}.fc2.weight":
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(tmp_path / "p.gguf", "r+b") as f:
+        f.write(b"PWRI")
+    with pytest.raises(UserError, match=f"predictors do not match the .* layers: blk.{last}.fc2.weight is missing"):
+        read_gguf(tmp_path / "p.gguf")
+
+
+def test_type_on_a_file_quantized_to_another_format(files):
+    with pytest.raises(UserError, match="--type q8_0: .* is quantized to q4_0 already"):
+        load_engine(files["q4_0"], type_="q8_0")
+
+
+def test_refused_before_loading_when_memory_is_short(files, monkeypatch):
+    import fast.load
+    monkeypatch.setattr(fast.load, "memory_available", lambda: 1 << 20)
+    with pytest.raises(UserError, match=r"needs .* GiB of memory \(q4_0 weights .* GiB, KV cache .* GiB\), 0.0 GiB available"):
+        load_engine(files["q4_0"])
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--type", "q5_k"], "--type: unknown format 'q5_k'"),
+    (["--predictors", "/nonexistent.safetensors"], "--predictors /nonexistent.safetensors: not found"),
+    (["--dense", "--predictors", "x"], "--dense and --predictors contradict each other"),
+])
+def test_convert_bad_flags(tmp_path, args, expect):
+    r = convert(SHIPPED, "-o", tmp_path / "x.gguf", *args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and expect in r.stderr and r.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_refuses_to_overwrite(files):
+    r = convert(SHIPPED, "-o", files["f16"], "--type", "f16")
+    assert r.returncode == 1 and "exists: pass --force" in r.stderr
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
+    """A failure half-way (here: the fifth tensor) removes the partial file; no OUT appears."""
+    from ref.common import gguf_io
+    calls = []
+    real = gguf_io.tensor_bytes
+
+    def failing(t):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(t)
+    monkeypatch.setattr(gguf_io, "tensor_bytes", failing)
+    from fast.convert import main
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        main([str(SHIPPED), "-o", str(tmp_path / "x.gguf"), "--type", "q8_0"], standalone_mode=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sentencepiece_tokenizer_from_llama_cpp_metadata(tmp_path):
+    """tokenizer.ggml.model 'llama': pieces merge by score (higher first), '▁' marks a space, <0xNN> bytes cover
+    what the vocabulary lacks."""
+    pieces = ["<unk>", "<s>", "</s>", "<0x21>", "\u2581", "a", "b", "c", "\u2581a", "ab", "\u2581ab", "abc", "\u2581abc"]
+    scores = [0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0]
+    types = [2, 3, 3, 6] + [1] * (len(pieces) - 4)  # UNKNOWN, CONTROL, BYTE, NORMAL
+    path = write_gguf(tmp_path / "spm.gguf", tokenizer_model="llama", token_list=pieces, token_scores=scores,
+                      token_types=types, bos_token_id=1, eos_token_id=2, unk_token_id=0)
+    tok = load_tokenizer(path)
+    ids = tok.encode("abc ab!")
+    assert [pieces[i] for i in ids] == ["<s>", "\u2581abc", "\u2581ab", "<0x21>"]
+    assert tok.decode(ids) == "abc ab!"
