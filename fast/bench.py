@@ -8,6 +8,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+from pathlib import Path
+
 import numpy as np
 
 from fast import cpu
@@ -15,6 +17,11 @@ from fast.engine import Engine, Layer, Selector
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS, Format
+from ref.common.gguf_io import Planned, model_kv, write_gguf
+from ref.common.names import expected_shapes, gguf_name
+from ref.quant import Quantized, quantize
 
 F32 = np.float32
 
@@ -92,27 +99,86 @@ class ReadProbe:
         return self.a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def bracketed_decode(engine: Engine, selectors: dict, probe: ReadProbe, tokens: int, seed: int = 0) -> dict:
-    """One round: `tokens` decode steps for each selector in turn, every token between two probe passes.
+def bracketed_decode(engine: Engine, selectors: dict, probe: ReadProbe, tokens: int, seed: int = 0,
+                     peer=None) -> dict:
+    """One round: `tokens` decode steps for each selector in turn (and for the `peer`, llama.cpp, if given), every
+    token between two probe passes.
 
     On a shared machine the bandwidth a token gets moves within a second, so each token is compared with the
     passes just before and after it (`around`), and the selectors with each other step by step. Returns per
     selector the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
-    caches = {}
+    steps = {}
     for name, selector in selectors.items():
-        engine.selector, caches[name] = selector, engine.new_cache(tokens + 1)
-        engine.forward(Batch.single([1], caches[name]), caches[name])
-    out = {name: {"seconds": [], "around": []} for name in selectors}
+        cache = engine.new_cache(tokens + 1)
+        engine.selector = selector
+        engine.forward(Batch.single([1], cache), cache)
+
+        def step(token, selector=selector, cache=cache):
+            engine.selector = selector
+            engine.forward(Batch.single([token], cache), cache)
+        steps[name] = step
+    if peer is not None:
+        peer.reset()
+        peer.step(1)
+        steps[peer.name] = peer.step
+    out = {name: {"seconds": [], "around": []} for name in steps}
     probes = [probe()]
     for i in range(tokens):
-        for name, selector in selectors.items():
-            engine.selector, cache = selector, caches[name]
+        for name, step in steps.items():
             t0 = time.perf_counter()
-            engine.forward(Batch.single([(7 * i + seed) % engine.config.vocab_size], cache), cache)
+            step((7 * i + seed) % engine.config.vocab_size)
             out[name]["seconds"].append(time.perf_counter() - t0)
             probes.append(probe())
             out[name]["around"].append((probes[-2] + probes[-1]) / 2)
     return {**out, "probes": probes}
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python (an optional extra: pip install -e '.[peer]'), decoding a GGUF one token at
+    a time on the CPU: the peer `scripts/bench.py --peer` times in the same run."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path, threads: int, n_ctx: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise UserError("--peer needs llama-cpp-python (pip install -e '.[peer]'; it compiles llama.cpp)") from None
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
+                         verbose=False)
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def step(self, token: int) -> None:
+        self.llm.eval([token])
+
+
+def random_gguf(cfg: ModelConfig, fmt: Format, path, seed: int = 0) -> int:
+    """A llama.cpp GGUF of this shape and format with random weights (values do not change a dense token's time;
+    block scales kept small), and a SentencePiece vocabulary of the right size. Returns its size."""
+    rng = np.random.default_rng(seed)
+
+    def tensor(shape):
+        if len(shape) == 1:
+            return np.ones(shape, F32)
+        if fmt.quantized:
+            b = np.zeros((*shape[:-1], shape[-1] // fmt.block), fmt.dtype)
+            b["d"] = np.float16(0.01).view(np.uint16)
+            b["qs"] = rng.integers(0, 256, b["qs"].shape, dtype=np.uint8).view(b["qs"].dtype)
+            return Quantized(fmt, b.view(np.uint8), shape)
+        return quantize(rng.standard_normal(shape, dtype=F32) * F32(0.02), fmt)
+
+    planned = [Planned(gguf_name(cfg, n), s, fmt if len(s) == 2 else FORMATS["f32"], lambda s=s: tensor(s))
+               for n, s in expected_shapes(cfg).items()]
+    V = cfg.vocab_size
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(V - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (V - 259)
+    kv = model_kv(cfg, "llama", fmt, "random") + [
+        ("add_tokenizer_model", "llama"), ("add_token_list", tokens), ("add_token_scores", [0.0] * V),
+        ("add_token_types", types), ("add_bos_token_id", 1), ("add_eos_token_id", 2), ("add_unk_token_id", 0)]
+    return write_gguf(Path(path), "gguf", "llama", kv, planned)
 
 
 @contextmanager

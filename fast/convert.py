@@ -19,18 +19,15 @@ from ref.common.names import expected_shapes, gguf_name
 from ref.common.progress import Progress
 from ref.common.safetensors import upcast
 from ref.common.weights import Weights
-from ref.quant import quantize
+from ref.quant import predictor_format, quantize
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-# Predictors keep q8_0 in a q4_0 file: on the shipped model (6,000 held-out tokens) their recall is 0.977 in f32, f16
-# and q8_0, and 0.952 in q4_0 (scripts/eval_sparse.py --predictor-type).
-PREDICTOR_FORMATS = {"q4_0": "q8_0"}
 
 
 def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned]:
     """The file's tensors in order, each computed when written: norms f32; matrices in fmt (attn_q / attn_k rows in
     llama.cpp's order; the down matrix transposed when predictors come along); predictors in fmt where their rows are
-    whole blocks, else f16 (q4_0 files: q8_0, PREDICTOR_FORMATS)."""
+    whole blocks, else f16 (q4_0 files: q8_0, ref.quant.predictor_format)."""
     cfg, out = w.config, []
     for name, shape in expected_shapes(cfg).items():
         gname = gguf_name(cfg, name)
@@ -44,7 +41,7 @@ def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned
                                lambda n=name: quantize(upcast(w[n]).T, fmt, n)))
         else:
             out.append(Planned(gname, shape, fmt, lambda n=name: quantize(upcast(w[n]), fmt, n)))
-    pfmt = FORMATS[PREDICTOR_FORMATS.get(fmt.name, fmt.name)]
+    pfmt = predictor_format(fmt)
     for l, (a, b) in enumerate(zip(predictors.fc1, predictors.fc2) if predictors is not None else ()):
         for part, t in (("fc1", a), ("fc2", b)):
             f = pfmt if t.shape[-1] % pfmt.block == 0 else FORMATS["f16"]

@@ -16,6 +16,7 @@ from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format, format_of
 from ref.common.names import expected_shapes
+from ref.quant import predictor_format
 
 def kernels_cached() -> bool:
     """Whether numba's on-disk cache holds fast.cpu's kernels (its index files beside the module): if not, the
@@ -35,7 +36,8 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
                 threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
                 type_: str | None = None, predictor_type: str | None = None) -> Decoder:
     """The engine fast.run runs: weights as stored or in the format `type_` names, dense, or predictor-sparse with
-    `predictors` (a file, loaded Predictors, or EMBEDDED; stored in `predictor_type` if given); on `gpu`/`hybrid`,
+    `predictors` (a file, loaded Predictors, or EMBEDDED; stored in `predictor_type` if given, else a file's own as
+    they are and others in the format that goes with the weights, ref.quant.predictor_format); on `gpu`/`hybrid`,
     placed on the card (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors).
     Refuses what does not fit in memory before laying anything out. Compiles (or loads the cached) kernels with one
     warm-up token, timed as `compile_seconds`."""
@@ -55,9 +57,11 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         raise UserError(f"{path}: has no predictors of its own (a PowerInfer GGUF has); pass --predictors or --dense")
     check_memory(path, w.config, fmt or stored, FORMATS["f32"] if device != "cpu" else None)
     engine = Engine.load(path, threads, fmt)
-    if predictors is not None:
+    if predictors is not None:  # a file's own as stored; others in the format that goes with the weights
+        pfmt = (format_of(predictor_type, "--predictor-type") if predictor_type else
+                None if predictors == EMBEDDED else predictor_format(engine.format))
         apply_predictors(engine, engine.file_predictors if predictors == EMBEDDED else predictors, predictor_threshold,
-                         format_of(predictor_type, "--predictor-type") if predictor_type else None)
+                         pfmt)
     if device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
     engine.warm_up()

@@ -161,6 +161,15 @@ def values(b: np.ndarray) -> np.ndarray:
     return Quantized(fmt, b.view(np.uint8), (*b.shape[:-1], b.shape[-1] * fmt.block)).astype(np.float32)
 
 
+# The predictors' format that goes with a weight format: the same, but q8_0 for q4_0 weights (predictor recall on the
+# shipped model, 6,000 held-out tokens: 0.977 in f32, f16 and q8_0; 0.952 in q4_0).
+PREDICTOR_FORMATS = {"q4_0": "q8_0"}
+
+
+def predictor_format(fmt: Format) -> Format:
+    return FORMATS[PREDICTOR_FORMATS.get(fmt.name, fmt.name)]
+
+
 def quantize_predictors(pred: Predictors, fmt: str | Format) -> Predictors:
     """The predictors with fc1 and fc2 stored in `fmt` (the recall each format keeps: scripts/eval_sparse.py
     --predictor-type); a format whose blocks do not divide a layer's hidden size R is refused."""

@@ -8,17 +8,19 @@ medians over all tokens of all rounds.
 """
 
 import json
+import tempfile
 from pathlib import Path
 
 import click
 import numpy as np
 
-from fast.bench import (ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
-                        overhead_per_token, predictor_size, random_engine, synthetic_predictors)
+from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
+                        overhead_per_token, predictor_size, random_engine, random_gguf, synthetic_predictors)
 from fast.engine import Selector, convert
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
+from ref.quant import predictor_format, quantize_predictors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,21 +29,25 @@ from ref.common.formats import FORMATS
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")
 @click.option("--type", "type_", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
               help="Weight format of the synthetic model.")
+@click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
+              help="Format of the predictors [default: the weights', q8_0 for q4_0].")
 @click.option("-t", "--threads", type=int, default=None, help="[default: the cores other processes leave idle]")
 @click.option("--busy", type=click.IntRange(min=0), default=0, show_default=True,
               help="Run this many spinning processes beside the benchmark (a machine something else uses).")
 @click.option("--tokens", type=int, default=16, show_default=True, help="Decode steps per run.")
 @click.option("--runs", type=int, default=7, show_default=True, help="Rounds of --tokens steps each, after one warm-up.")
 @click.option("--probe-gib", type=float, default=1.0, show_default=True, help="Size of one read-bandwidth probe pass.")
+@click.option("--peer", "with_peer", is_flag=True,
+              help="Also time llama.cpp (llama-cpp-python, the 'peer' extra) on a random GGUF of the same shape and format.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, json_file):
+def main(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, with_peer, json_file):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
     with busy_cores(busy):
-        run(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, json_file)
+        run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, with_peer, json_file)
 
 
-def run(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, json_file):
+def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, with_peer, json_file):
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
     if runs < 1 or tokens < 1:
@@ -49,32 +55,42 @@ def run(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, 
     cfg = shape_config(shape, layers)
     engine = convert(random_engine(cfg, threads), FORMATS[type_])
     R = predictor_size(cfg)
-    pred = synthetic_predictors(cfg, R)
+    pfmt = FORMATS[predictor_type] if predictor_type else predictor_format(engine.format)
+    pred = quantize_predictors(synthetic_predictors(cfg, R), pfmt)
     selectors = {"dense": Selector(cfg.d_ffn), "sparse": SyntheticSelector(pred, cfg, sparsity)}
     probe = ReadProbe(probe_gib)
-    rounds = [bracketed_decode(engine, selectors, probe, tokens, r) for r in range(runs + 1)][1:]  # round 0 compiles
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = None
+        if with_peer:  # llama.cpp on a random GGUF of the same shape and format, timed token by token among ours
+            random_gguf(cfg, engine.format, Path(tmp) / "peer.gguf")
+            peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, tokens + 2)
+        rounds = [bracketed_decode(engine, selectors, probe, tokens, r, peer) for r in range(runs + 1)][1:]  # round 0 compiles
+    names = [*selectors, *([LlamaCpp.name] if peer else [])]
     nbytes = {"dense": bytes_per_token(engine, cfg.d_ffn, selectors["dense"]),
               "sparse": bytes_per_token(engine, selectors["sparse"].mean_active(), selectors["sparse"])}
-    seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in selectors}  # every token
-    around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in selectors}  # its probe passes, GB/s
-    tok_s = {name: [tokens / sum(r[name]["seconds"]) for r in rounds] for name in selectors}  # per round
+    nbytes[LlamaCpp.name] = nbytes["dense"]  # the same matrices, dense
+    seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in names}  # every token
+    around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in names}  # its probe passes, GB/s
+    tok_s = {name: [tokens / sum(r[name]["seconds"]) for r in rounds] for name in names}  # per round
     results = {name: {"tok_s": float(np.median(tok_s[name])), "runs": tok_s[name], "bytes_per_token": nbytes[name],
                       "roofline": float(np.median(nbytes[name] / seconds[name] / (around[name] * 1e9)))}
-               for name in selectors}
+               for name in names}
     probes = np.concatenate([r["probes"] for r in rounds])
     steps = seconds["dense"] / seconds["sparse"]  # step-by-step token-time ratios
     by_bus = np.argsort((around["dense"] + around["sparse"]) / 2)  # steps by the speed of their probe passes
     halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both halves
     overhead = overhead_per_token(cfg, engine.threads)
-    out = {"shape": shape, "type": type_, "layers": cfg.n_layers, "threads": engine.threads, "busy": busy,
+    out = {"shape": shape, "type": type_, "predictor_type": pfmt.name, "layers": cfg.n_layers, "threads": engine.threads, "busy": busy,
            "sparsity": sparsity,
            "predictor_hidden": R, "mean_active": selectors["sparse"].mean_active(),
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
-           "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in selectors}}
+           "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in names}}
                       for i, r in enumerate(rounds)],
            "ratio_sparse_dense": float(np.median(steps)),
            "ratio_by_bus": {half: float(np.median(steps[pick])) for half, pick in halves.items()},
            "overhead_ms_per_token": overhead * 1e3, "overhead_share_sparse": overhead * results["sparse"]["tok_s"]}
+    if peer:  # step by step, as sparse/dense
+        out["ratio_vs_llama_cpp"] = {name: float(np.median(seconds[LlamaCpp.name] / seconds[name])) for name in selectors}
     size_gib = nbytes["dense"] / 2**30
     click.echo(f"read bandwidth: {out['read_bandwidth_gbs']:.1f} GB/s (median of {len(probes)} probe passes of "
                f"{probe.a.nbytes / 2**30:.2f} GiB between the tokens; best {out['read_peak_gbs']:.1f}); roofline = a token's "
@@ -83,14 +99,18 @@ def run(shape, sparsity, layers, type_, threads, busy, tokens, runs, probe_gib, 
     click.echo("| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |")
     for name, r in results.items():
         t = np.asarray(r["runs"])
-        click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | numba-cpu {name} | "
+        backend = "llama.cpp cpu dense" if name == LlamaCpp.name else f"numba-cpu {name}"
+        click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | {backend} | "
                    f"{engine.threads} | tg{tokens} | {t.mean():.2f} ± {t.std():.2f} | {r['tok_s'] * r['bytes_per_token'] / 1e9:.1f} | "
                    f"{r['roofline']:.0%} |")
     click.echo(f"sparse/dense: {out['ratio_sparse_dense']:.2f}x (median of step-by-step token-time ratios; "
                f"{out['ratio_by_bus']['faster']:.2f}x on the steps with the faster half of probe passes, "
                f"{out['ratio_by_bus']['slower']:.2f}x on the slower half) at {sparsity:.0%} predicted "
-               f"sparsity (mean {out['mean_active']:.0f} of {cfg.d_ffn} neurons; predictors R={R}); "
+               f"sparsity (mean {out['mean_active']:.0f} of {cfg.d_ffn} neurons; predictors R={R}, {pfmt.name}); "
                f"Python+dispatch overhead {overhead * 1e3:.2f} ms/token = {out['overhead_share_sparse']:.1%} of a sparse token")
+    if peer:
+        click.echo("vs llama.cpp (dense, same shape and format, same run; median of step-by-step token-time ratios): "
+                   + ", ".join(f"{name} {r:.2f}x" for name, r in out["ratio_vs_llama_cpp"].items()))
     if json_file:
         json_file.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -11,14 +11,16 @@ from ref.common.config import shape_config
 from tests.helpers import load_script
 
 
-# On the micro shape the float32 predictors outweigh an f16 FFN's saved bytes: sparse reads more there.
-@pytest.mark.parametrize("fmt, sparse_reads_less", [("f32", True), ("f16", False)])
-def test_bench_table_and_json(tmp_path, fmt, sparse_reads_less):
+# On the micro shape float32 predictors outweigh an f16 FFN's saved bytes: sparse reads more there (by default the
+# predictors take the weights' format).
+@pytest.mark.parametrize("fmt, ptype, sparse_reads_less", [("f32", "f32", True), ("f16", "f16", True), ("f16", "f32", False)])
+def test_bench_table_and_json(tmp_path, fmt, ptype, sparse_reads_less):
     r = CliRunner().invoke(load_script("bench").main, ["--shape", "micro", "--tokens", "2", "--runs", "2", "--type", fmt,
+                                                       *(["--predictor-type", ptype] if ptype != fmt else []),
                                                        "--probe-gib", "0.01", "-t", "1", "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
     out = json.loads((tmp_path / "b.json").read_text())
-    assert out["type"] == fmt and f"x2 {fmt.upper()} |" in r.output
+    assert out["type"] == fmt and out["predictor_type"] == ptype and f"x2 {fmt.upper()} |" in r.output
     assert len(out["rounds"]) == 2 and out["ratio_sparse_dense"] > 0 and out["read_bandwidth_gbs"] > 0
     assert set(out["ratio_by_bus"]) == {"faster", "slower"} and min(out["ratio_by_bus"].values()) > 0
     assert (out["sparse"]["bytes_per_token"] < out["dense"]["bytes_per_token"]) == sparse_reads_less
@@ -49,3 +51,42 @@ def test_bench_beside_busy_processes(tmp_path):
     out = json.loads((tmp_path / "b.json").read_text())
     assert out["busy"] == 1 and out["threads"] <= max(1, len(os.sched_getaffinity(0)) - 1)
     assert "1 busy processes beside it" in r.output
+
+
+def test_bench_quantized_with_its_predictor_format(tmp_path):
+    """A block format on a shape whose rows are whole blocks; q4_0's predictors default to q8_0."""
+    r = CliRunner().invoke(load_script("bench").main, ["--shape", "tiny", "--layers", "1", "--tokens", "2", "--runs", "1",
+                                                       "--type", "q4_0", "--probe-gib", "0.01", "-t", "1",
+                                                       "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert out["type"] == "q4_0" and out["predictor_type"] == "q8_0" and "predictors R=" in r.output
+    assert out["sparse"]["bytes_per_token"] < out["dense"]["bytes_per_token"]
+
+
+def test_random_gguf_is_a_model_we_and_llama_cpp_read(tmp_path):
+    """The peer's file: a valid GGUF of the shape (our reader checks every tensor's shape), SentencePiece vocabulary."""
+    from fast.bench import random_gguf
+    from ref.common.formats import FORMATS
+    from ref.common.gguf_io import read_gguf
+    cfg = shape_config("tiny", 2)
+    random_gguf(cfg, FORMATS["q8_0"], tmp_path / "r.gguf")
+    ck = read_gguf(tmp_path / "r.gguf")
+    assert ck.kind == "gguf" and ck.config.n_layers == 2 and ck.config.d_ffn == cfg.d_ffn and ck.predictors is None
+    assert ck.tensors["layers.1.wg"].format.name == "q8_0"
+
+
+def test_bench_peer(tmp_path):
+    """--peer: llama.cpp timed in the same run where llama-cpp-python is installed; one clear line where not."""
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        r = CliRunner().invoke(load_script("bench").main, ["--shape", "tiny", "--layers", "1", "--peer"])
+        assert r.exit_code == 1 and "--peer needs llama-cpp-python" in r.output
+        return
+    r = CliRunner().invoke(load_script("bench").main, ["--shape", "tiny", "--layers", "1", "--tokens", "2", "--runs", "1",
+                                                       "--type", "q8_0", "--probe-gib", "0.01", "-t", "1", "--peer",
+                                                       "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert out["llama.cpp"]["tok_s"] > 0 and set(out["ratio_vs_llama_cpp"]) == {"dense", "sparse"}
+    assert "| llama.cpp cpu dense |" in r.output
