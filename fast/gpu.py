@@ -5,22 +5,124 @@ simulator (NUMBA_ENABLE_CUDASIM=1) exactly as on a device. No atomics: the down 
 partial sums that a last pass adds in a fixed order, so results are bit-identical from run to run.
 Launch constants are module globals read when a kernel is compiled; tests shrink them so several blocks run.
 
+FORMATS: a weight matrix reaches the kernels as a `Weight` (q, d, kind): f32 as float32 rows; f16 and bf16 as their
+16-bit patterns, decoded exactly with integer arithmetic and ldexp (no bit casts: the simulator has none); q8_0 as
+int8 quants and q4_0 as nibble bytes (llama.cpp's order), each with float32 block scales split out once when the
+weight is built. One source per kernel: the format is a runtime argument, uniform over a launch, and every branch
+types for every q (float32 or an integer). As in fast.cpu, products with q8_0 and q4_0 weights read the token
+rounded to Q8_0 (ref.quant.input_values), here as float values.
+
 Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
 N output rows, R predictor hidden size.
 """
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from fast.cpu import activation_py
+from ref.quant import format_of_blocks
+
+KINDS = {"f32": 0, "q8_0": 1, "q4_0": 2, "f16": 3, "bf16": 4}  # a Weight's kind, per ref.common.formats name
+QUANTIZED = (1, 2)
+# Powers of two that decode 16-bit floats exactly (constant arrays on the device): entry e is the scale of a value
+# with biased exponent e, entry 0 that of the subnormals. Multiplying by them is exact (no FTZ without fastmath).
+POW2_F16 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
+POW2_BF16 = np.array([2.0 ** -133] + [2.0 ** (e - 134) for e in range(1, 256)], np.float32)
 
 THREADS = 256  # threads per block for row reductions (a power of two)
 TILE = 256  # threads per block for elementwise and column kernels
 CHUNKS = 64  # neuron chunks of the down pass: with D / TILE column tiles, enough blocks for every SM
 
 _scratch: dict = {}
+
+
+@dataclass
+class Weight:
+    """A matrix [N, n] as the GPU kernels read it: q [N, n] (float32; f16/bf16 bits as uint16; q8_0 int8) or
+    [N, n/2] (q4_0 nibble bytes), d [N, n/32] float32 block scales (block formats; else [1, 1] unused), kind."""
+
+    q: object
+    d: object
+    kind: int
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+    def slice(self, lo: int, hi: int) -> "Weight":
+        return Weight(self.q[lo:hi], self.d[lo:hi] if self.kind in QUANTIZED else self.d, self.kind)
+
+    def to_device(self) -> "Weight":
+        return Weight(cuda.to_device(self.q), cuda.to_device(self.d), self.kind)
+
+
+def weight(w) -> Weight:
+    """Host rows of blocks [..., B] in any format (`Format.dtype`), leading dimensions flattened into rows, as a
+    host Weight (views where the layout allows); a Weight as it is."""
+    if isinstance(w, Weight):
+        return w
+    fmt = format_of_blocks(w.dtype)
+    w = np.ascontiguousarray(w).reshape(-1, w.shape[-1])
+    none = np.zeros((1, 1), np.float32)
+    if fmt.name == "f32":
+        return Weight(w, none, KINDS["f32"])
+    if fmt.name in ("f16", "bf16"):
+        return Weight(w.view(np.uint16), none, KINDS[fmt.name])
+    d = w["d"].view(np.float16).astype(np.float32)  # [N, B]
+    return Weight(np.ascontiguousarray(w["qs"]).reshape(w.shape[0], -1), d, KINDS[fmt.name])
+
+
+@cuda.jit(device=True, inline=True)
+def elem(q, d, kind, r, k):
+    """Element k of row r of a Weight, as float32 (ref.quant's values of each format)."""
+    if kind == 0:
+        return float32(q[r, k])
+    if kind == 1:
+        return float32(q[r, k]) * d[r, k // 32]
+    if kind == 2:  # element k of a block: low nibble of byte k % 16 for k % 32 < 16, else the high one
+        b = int32(q[r, (k // 32) * 16 + k % 16])
+        return float32(((b >> (4 * ((k % 32) // 16))) & 15) - 8) * d[r, k // 32]
+    b = int32(q[r, k])
+    if kind == 3:  # IEEE half: sign, 5 exponent bits e, 10 mantissa bits m; (1024 + m) 2^(e - 25), or m 2^-24
+        e, m = (b >> 10) & 31, b & 1023
+        v = float32(m) * POW2_F16[0] if e == 0 else float32(1024 + m) * POW2_F16[e]
+    else:  # bf16, a float32's upper half: 8 exponent bits, 7 mantissa bits; (128 + m) 2^(e - 134), or m 2^-133
+        e, m = (b >> 7) & 255, b & 127
+        v = float32(m) * POW2_BF16[0] if e == 0 else float32(128 + m) * POW2_BF16[e]
+    return -v if b & 32768 else v
+
+
+@cuda.jit
+def _quantize_rows(out, x):
+    """Thread (t, block): out = x rounded to Q8_0 along rows (ref.quant.quantize_q8_0, then its values)."""
+    i = cuda.grid(1)
+    T, K = x.shape
+    if i < T * (K // 32):
+        t, b = i // (K // 32), i % (K // 32)
+        amax = float32(0.0)
+        for k in range(b * 32, b * 32 + 32):
+            amax = max(amax, abs(x[t, k]))
+        dq = amax / float32(127.0)
+        inv = float32(1.0) / dq if dq != 0 else float32(0.0)
+        dr = float32(np.float16(dq))  # the scale as stored: fp16
+        for k in range(b * 32, b * 32 + 32):
+            v = x[t, k] * inv
+            r = math.floor(abs(v) + float32(0.5))
+            out[t, k] = (r if v >= 0 else -r) * dr
+
+
+def input_rows(x, W: Weight, name: str):
+    """x [T, K] as products with W read it: itself, or rounded to Q8_0 (in scratch `name`) for block formats."""
+    if W.kind not in QUANTIZED:
+        return x
+    out = scratch(name, x.shape)
+    n = x.shape[0] * (x.shape[1] // 32)
+    if n:
+        _quantize_rows[(n + TILE - 1) // TILE, TILE](out, x)
+    return out
 
 
 @cuda.jit(device=True, inline=True)
@@ -53,14 +155,14 @@ def _rmsnorm(out, x, w, eps):
 
 
 @cuda.jit
-def _rows_dot(out, x, w, relu):
+def _rows_dot(out, x, q, d, kind, relu):
     """out[t, n] = w[n] . x[t] (optionally relu'd): block n, threads stride over K (coalesced), tokens in turn."""
     buf = cuda.shared.array(THREADS, float32)
     n = cuda.blockIdx.x
     for t in range(x.shape[0]):
         s = float32(0.0)
         for k in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-            s += w[n, k] * x[t, k]
+            s += elem(q, d, kind, n, k) * x[t, k]
         s = block_reduce(buf, s, False)
         if cuda.threadIdx.x == 0:
             out[t, n] = max(s, 0.0) if relu else s
@@ -117,16 +219,16 @@ activation = cuda.jit(device=True, inline=True)(activation_py)
 
 
 @cuda.jit
-def _ffn_gate_up(a, x, bundle, active, kind, thr):
-    """Block j: a[j] = act(gate . x, up . x) of neuron active[j]; gate and up rows read coalesced."""
+def _ffn_gate_up(a, x, q, dq, wk, active, kind, thr):
+    """Block j: a[j] = act(gate . x, up . x) of neuron active[j] (bundle rows 3i, 3i + 1); rows read coalesced."""
     buf = cuda.shared.array(THREADS, float32)
     j = cuda.blockIdx.x
     i = active[j]
     g = float32(0.0)
     u = float32(0.0)
     for d in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
-        g += bundle[i, 0, d] * x[d]
-        u += bundle[i, 1, d] * x[d]
+        g += elem(q, dq, wk, 3 * i, d) * x[d]
+        u += elem(q, dq, wk, 3 * i + 1, d) * x[d]
     g = block_reduce(buf, g, False)
     u = block_reduce(buf, u, False)
     if cuda.threadIdx.x == 0:
@@ -134,7 +236,7 @@ def _ffn_gate_up(a, x, bundle, active, kind, thr):
 
 
 @cuda.jit
-def _ffn_down(part, a, bundle, active, n_active):
+def _ffn_down(part, a, q, dq, wk, active, n_active):
     """Block (x, c): part[c, d] = sum over chunk c of j < n_active of a[j] down_j[d], down rows with a[j] == 0 not
     read (the branch is uniform over the block); consecutive threads read consecutive d of a row. Chunks give
     the GPU enough blocks to keep its memory busy."""
@@ -144,7 +246,7 @@ def _ffn_down(part, a, bundle, active, n_active):
         s = float32(0.0)
         for j in range(c * n_active // C, (c + 1) * n_active // C):
             if a[j] != 0:
-                s += a[j] * bundle[active[j], 2, d]
+                s += a[j] * elem(q, dq, wk, 3 * active[j] + 2, d)
         part[c, d] = s
 
 
@@ -175,8 +277,10 @@ def rmsnorm(out, x, w, eps):
 
 
 def matmul(out, x, w):
+    """Same contract as fast.cpu.matmul; w: host rows of blocks or a Weight."""
+    W = weight(w)
     if out.size:
-        _rows_dot[w.shape[0], THREADS](out, x, w, False)
+        _rows_dot[W.rows, THREADS](out, input_rows(x, W, "mm_x"), W.q, W.d, W.kind, False)
 
 
 def rope(out, x, cos, sin, pos0):
@@ -192,17 +296,21 @@ def attention(out, q, k, v, pos0, scores):
 def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch).
     The down pass writes per-chunk partial sums, then adds them in a fixed order."""
+    W = weight(bundle)  # rows 3i, 3i + 1, 3i + 2: neuron i's gate, up and down
     D, C = out.shape[0], max(1, min(CHUNKS, n_active))
     a, part = scratch("ffn_a", max(n_active, 1)), scratch("ffn_part", (C, D))
     if n_active:
-        _ffn_gate_up[n_active, THREADS](a, x, bundle, active, kind, np.float32(thr))
-    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, bundle, active, n_active)
+        xq = input_rows(x.reshape(1, D), W, "ffn_xq")[0]
+        _ffn_gate_up[n_active, THREADS](a, xq, W.q, W.d, W.kind, active, kind, np.float32(thr))
+    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, W.q, W.d, W.kind, active, n_active)
     _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 
 
 def predictor(out, hidden, h, fc1, fc2):
     """Same contract as fast.cpu.predictor."""
-    _rows_dot[fc1.shape[0], THREADS](hidden.reshape(1, -1), h.reshape(1, -1), fc1, True)
+    W1 = weight(fc1)
+    _rows_dot[W1.rows, THREADS](hidden.reshape(1, -1), input_rows(h.reshape(1, -1), W1, "pred_hq"), W1.q, W1.d, W1.kind,
+                                True)
     matmul(out.reshape(1, -1), hidden.reshape(1, -1), fc2)
 
 
@@ -211,13 +319,14 @@ def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos
     (v straight into its cache rows), since a device array's column slices cannot be reshaped."""
     T, D = h.shape
     K, E = k_cache.shape[1], k_cache.shape[2]
-    H = wo.shape[1] // E
+    W = weight(wqkv)
+    H = W.rows // E - 2 * K
     x = scratch("attn_x", (T, D))
     rmsnorm(x, h, attn_norm, eps)
     q, k = scratch("attn_q", (T, H * E)), scratch("attn_k", (T, K * E))
-    matmul(q, x, wqkv[: H * E])
-    matmul(k, x, wqkv[H * E:(H + K) * E])
-    matmul(v_cache[pos0:pos0 + T].reshape(T, K * E), x, wqkv[(H + K) * E:])
+    matmul(q, x, W.slice(0, H * E))
+    matmul(k, x, W.slice(H * E, (H + K) * E))
+    matmul(v_cache[pos0:pos0 + T].reshape(T, K * E), x, W.slice((H + K) * E, W.rows))
     q3 = q.reshape(T, H, E)
     rope(q3, q3, cos, sin, pos0)
     rope(k_cache[pos0:pos0 + T], k.reshape(T, K, E), cos, sin, pos0)

@@ -1,9 +1,8 @@
 """PowerInfer's hybrid engine (the paper's section 5): hot neurons on the GPU, cold ones on the CPU, at the same time.
 
 `to_hybrid(engine, gpu_neurons, dense_on_gpu)` applies a placement it is given (`placement` decides; this module
-never does) to a loaded CPU engine (in f32: the GPU kernels read no other format yet), which the hybrid engine holds
-and runs its CPU blocks with. It uploads what the
-placement gives the GPU: per layer attention (with its KV cache), predictor and hot neurons (compact, in
+never does) to a loaded CPU engine, which the hybrid engine holds and runs its CPU blocks with. It uploads, in the
+engine's weight format (gpu.Weight), what the placement gives the GPU: per layer attention (with its KV cache), predictor and hot neurons (compact, in
 `gpu_neurons` order); the output layer. Which side runs each block is fixed then, as data: each block runs where
 its weights are and the residual stream follows, copied only when it changes sides. Per token, a layer whose
 neurons are split computes P ∩ G on the GPU (launched, not waited for) while the CPU kernels compute P \\ G; the
@@ -19,11 +18,10 @@ import numpy as np
 from numba import cuda
 
 from fast import cpu, gpu
-from fast.engine import Decoder, Engine, convert
+from fast.engine import Decoder, Engine
 from ref.common.artifacts import dense_names
 from ref.common.batch import Batch, KVCache, check_batch
 from ref.common.errors import UserError
-from ref.common.formats import FORMATS
 from ref.quant import values
 
 F32 = np.float32
@@ -33,10 +31,10 @@ F32 = np.float32
 class GpuLayer:
     """What layer l keeps on the GPU; a part left None runs on the CPU."""
 
-    attention: tuple | None  # device (attn_norm [D], wqkv [(H + 2K) E, D], wo [D, H E])
-    predictor: tuple | None  # device (fc1 [R, D], fc2 [F, R])
+    attention: tuple | None  # device (attn_norm [D], wqkv [(H + 2K) E, D], wo [D, H E]), matrices as gpu.Weight
+    predictor: tuple | None  # device (fc1 [R, D], fc2 [F, R]) as gpu.Weight
     ffn_norm: object  # device [D]
-    bundle: object  # device [max(G, 1), 3, D]: the layer's hot neurons in gpu_neurons order
+    bundle: object  # device gpu.Weight, rows [3 max(G, 1), D]: the layer's hot neurons in gpu_neurons order
     slot: np.ndarray  # host [F]: neuron id -> row of bundle, or -1 when the neuron lives on the CPU
     hot_all: object  # device [G]: every row of bundle (the split of a step where all F neurons are active)
     cold_all: np.ndarray  # host [F - G]: the CPU's neurons (same)
@@ -74,7 +72,7 @@ class HybridEngine(Decoder):
         self.ffn = [self.ffn_side(G) for G in self.gpu_layers]
         self.output = self.cpu_output
         if "output" in self.dense_on_gpu:
-            self.norm_d, self.lm_head_d = cuda.to_device(host.norm), cuda.to_device(host.lm_head)
+            self.norm_d, self.lm_head_d = cuda.to_device(host.norm), gpu.weight(host.lm_head).to_device()
             self.output = self.gpu_output
         # The halves' partial sums, staged in pinned memory for the copy to the other side.
         self.y_cpu, self.y_gpu = cuda.pinned_array((1, c.d_model), F32), cuda.pinned_array((1, c.d_model), F32)
@@ -83,14 +81,14 @@ class HybridEngine(Decoder):
         c, L, ids, sel = self.config, self.host.layers[l], self.gpu_neurons[l], self.selector
         attention = predictor = None
         if f"attention.{l}" in self.dense_on_gpu:
-            attention = tuple(cuda.to_device(a) for a in (L.attn_norm, L.wqkv, L.wo))
+            attention = (cuda.to_device(L.attn_norm), gpu.weight(L.wqkv).to_device(), gpu.weight(L.wo).to_device())
         if sel.predicts and f"predictor.{l}" in self.dense_on_gpu:
-            predictor = (cuda.to_device(values(sel.fc1[l])), cuda.to_device(values(sel.fc2[l])))  # f32 kernels
+            predictor = (gpu.weight(sel.fc1[l]).to_device(), gpu.weight(sel.fc2[l]).to_device())
         slot = np.full(c.d_ffn, -1, np.int32)
         slot[ids] = np.arange(len(ids), dtype=np.int32)
-        bundle = np.ascontiguousarray(L.bundle[ids]) if len(ids) else np.zeros((1, 3, c.d_model), F32)
+        bundle = L.bundle[ids] if len(ids) else np.zeros((1, *L.bundle.shape[1:]), L.bundle.dtype)
         hot_all = cuda.to_device(np.arange(max(len(ids), 1), dtype=np.int32))
-        return GpuLayer(attention, predictor, cuda.to_device(L.ffn_norm), cuda.to_device(bundle), slot, hot_all,
+        return GpuLayer(attention, predictor, cuda.to_device(L.ffn_norm), gpu.weight(bundle).to_device(), slot, hot_all,
                         np.flatnonzero(slot < 0).astype(np.int32))
 
     def ffn_side(self, G: GpuLayer):
@@ -146,7 +144,7 @@ class HybridEngine(Decoder):
         if G.predictor is None:
             return self.host.active_set(l, h.a[t])
         fc1, fc2 = G.predictor
-        logits, hidden = gpu.scratch("pred_logits", self.config.d_ffn), gpu.scratch("pred_hidden", fc1.shape[0])
+        logits, hidden = gpu.scratch("pred_logits", self.config.d_ffn), gpu.scratch("pred_hidden", fc1.rows)
         gpu.predictor(logits, hidden, h.a[t], fc1, fc2)
         return sel.pick(l, logits.copy_to_host(sel.logits))
 
@@ -205,7 +203,7 @@ class HybridEngine(Decoder):
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [T, V]; each block runs where the placement put it, the residual following."""
         seq, _ = check_batch(batch, cache, self.config)
-        h = Residual(self.host.embed[batch.tokens])  # [T, D]
+        h = Residual(values(self.host.embed[batch.tokens]))  # [T, D]
         for l in range(self.config.n_layers):
             self.attention[l](l, h, batch, cache)
             self.ffn[l](l, h)
@@ -244,7 +242,6 @@ def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray], dense_on_gpu=None) 
     if unknown:
         raise UserError(f"placement: unknown dense part '{unknown[0]}' for a {c.n_layers}-layer model: "
                         "a placement for another model, or from an older version (solve it again)")
-    convert(engine, FORMATS["f32"])  # the GPU kernels read f32 weights, so far; the CPU's share runs in f32 too
     return HybridEngine(engine, [np.asarray(g, np.int32) for g in gpu_neurons], set(dense))
 
 

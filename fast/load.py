@@ -1,20 +1,20 @@
 """The facade one floor up: `load_engine` composes what fast.run's flags ask for, in order: load the checkpoint
 (`Engine.load`, its weights laid out in the format asked for), apply the predictors (`apply_predictors`),
-on a GPU let `placement` decide and apply its decision (`to_hybrid`, which holds f32 weights), then compile the
+on a GPU let `placement` decide and apply its decision (`to_hybrid`, in the weights' format), then compile the
 kernels. Nothing here is written to disk: a placement solved at load lives in memory
 (`python -m placement -o FILE` writes one to reuse with `placement=FILE`)."""
 
 from pathlib import Path
 
 from fast import cpu
-from fast.engine import Decoder, Engine, apply_predictors, convert, stored_format
+from fast.engine import Decoder, Engine, apply_predictors, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
 from ref.common.artifacts import load_placement
 from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
-from ref.common.formats import FORMATS, Format, format_of
+from ref.common.formats import Format, format_of
 from ref.common.names import expected_shapes
 from ref.quant import predictor_format
 
@@ -46,8 +46,6 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     if policy not in POLICIES:
         raise UserError(f"--policy must be one of {', '.join(POLICIES)}, got '{policy}'")
     fmt = format_of(type_) if type_ is not None else None
-    if device != "cpu" and fmt not in (None, FORMATS["f32"]):
-        raise UserError(f"--type {fmt.name} with --device {device}: the GPU kernels read f32 weights only, so far")
     w = load_checkpoint(path)  # memory-mapped: the checks below read no weights
     stored = stored_format(w)
     if fmt is not None and stored.quantized and fmt != stored:
@@ -55,7 +53,7 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
                         f"accuracy twice (convert the original checkpoint instead)")
     if predictors == EMBEDDED and w.predictors is None:
         raise UserError(f"{path}: has no predictors of its own (a PowerInfer GGUF has); pass --predictors or --dense")
-    check_memory(path, w.config, fmt or stored, FORMATS["f32"] if device != "cpu" else None)
+    check_memory(path, w.config, fmt or stored)
     engine = Engine.load(path, threads, fmt)
     if predictors is not None:  # a file's own as stored; others in the format that goes with the weights
         pfmt = (format_of(predictor_type, "--predictor-type") if predictor_type else
@@ -80,12 +78,10 @@ def memory_available() -> int:
     return 1 << 62  # unknown: do not refuse
 
 
-def check_memory(path, cfg, fmt: Format, host_copy: Format | None = None) -> None:
+def check_memory(path, cfg, fmt: Format) -> None:
     """Refuse, before loading, a model whose laid-out weights and KV cache exceed the memory available (instead of
     the kernel killing the process half-way): the bytes it needs and the bytes there are."""
     weights = sum(fmt.nbytes(s) if len(s) == 2 else 4 * s[0] for s in expected_shapes(cfg).values())
-    if host_copy is not None:  # a GPU run lays out f32 first
-        weights = sum(host_copy.nbytes(s) for s in expected_shapes(cfg).values())
     kv = 2 * cfg.n_layers * cfg.max_seq_len * cfg.n_kv_heads * cfg.head_dim * 4
     need, have = weights + kv, memory_available()
     if need > have:
@@ -97,7 +93,6 @@ def place_on_gpu(engine: Engine, model_dir: Path, device: str, placement=None, v
                  policy: str = "hybrid"):
     """Budget the card, take the placement (a file, llama.cpp's whole layers, or PowerInfer's ILP) and apply it."""
     require_gpu(f"--device {device}")
-    convert(engine, FORMATS["f32"])  # what to_hybrid uploads, so what the budget prices
     c, sel = engine.config, engine.selector
     hw = hardware_for(*device_identity())
     if vram_budget is not None and vram_budget * GiB > hw.vram_bytes:

@@ -176,10 +176,14 @@ SHAPES = [
         ("ffn_block", dict(F=50, D=64, n_active=13, kind="fatrelu")),
         ("attention_block", dict(T=2, S=7, H=4, K=1, E=8, D=64)))],
 ]
+# Every weight format under the CUDA simulator too, on few blocks: one or two rows of whole 32-element blocks.
+SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q8_0", "q4_0") for name, shape in (
+    ("matmul", dict(T=2, N=5, K=32)), ("sparse_ffn", dict(F=6, D=32, n_active=3, kind="relu")),
+    ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")))]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
-# share included, so fast.gpu has no predicted_set; and fast.gpu reads float32 weights only, so far.
+# share included, so fast.gpu has no predicted_set.
 CPU_ONLY = {"predicted_set"}
-DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES if n not in CPU_ONLY and s.get("fmt", "f32") == "f32"]
+DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY]
 
 
 def case_id(name, shape, sim=False):

@@ -115,11 +115,13 @@ def test_predictors_of_another_model(small, tmp_path):
 
 
 def test_facade_composes_the_transforms(small):
-    """load_engine = Engine.load, then apply_predictors, then the warm-up: the same logits, kernels compiled."""
+    """load_engine = Engine.load, then apply_predictors (in the weights' format, f16 here), then the warm-up: the
+    same logits, kernels compiled."""
     ids = np.array([1, 2, 3, 4])
     e = fast.load_engine(small, predictors=small / "predictors.safetensors", predictor_threshold=0.5)
     assert e.selector.threshold == np.float32(0.5) and e.compile_seconds > 0
-    want = apply_predictors(Engine.load(small), small / "predictors.safetensors", 0.5).logits(ids)
+    assert e.selector.fc1[0].dtype == FORMATS["f16"].dtype
+    want = apply_predictors(Engine.load(small), small / "predictors.safetensors", 0.5, FORMATS["f16"]).logits(ids)
     np.testing.assert_array_equal(e.logits(ids), want)
 
 

@@ -6,6 +6,7 @@ import pytest
 import fast
 import ref
 from fast import Engine, apply_predictors
+from fast import gpu
 from fast.hybrid import to_hybrid
 from placement.budget import whole_layers
 from ref.common.artifacts import Predictors
@@ -125,3 +126,16 @@ def test_bench_gpu_smoke(tmp_path):
     assert r.exit_code == 0, r.output
     row = json.loads((tmp_path / "b.json").read_text())["decode"][0]
     assert row["gpu_layers"] == 2 and row["hybrid_tok_s"] > 0 and "hybrid / layers" in r.output
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+def test_hybrid_in_a_weight_format(tmp_path, fmt):
+    """The GPU share in the engine's format (no f32 copy): the split engine computes what ref computes at that
+    format, the CPU's and the GPU's halves alike."""
+    d = write_model(tmp_path, {**TINY, "hidden_size": 32, "intermediate_size": 32}, seed=4)
+    engine = fast.load_engine(d, type_=fmt)
+    neurons = [np.sort(np.random.default_rng(l).choice(32, 12, replace=False)).astype(np.int32) for l in range(2)]
+    hybrid = to_hybrid(engine, neurons, dense_on_gpu=["attention.0", "predictor.1", "output"])
+    assert hybrid.format.name == fmt and hybrid.gpu_layers[0].bundle.kind == gpu.KINDS[fmt]
+    want = ref.quant.quantize_model(ref.load_model(d), fmt).logits(IDS)
+    assert_close(hybrid.logits(IDS), want, rtol=1e-4)

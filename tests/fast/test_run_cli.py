@@ -44,7 +44,8 @@ def test_same_text_as_ref_greedy():
     (["-t", "0"], "-t/--threads must be in"),
     (["-p", "once upon a time " * 200], "longer than the context"),
     (["--predictors", "/nonexistent.safetensors"], "predictors file not found"),
-    (["--type", "q5_k"], "--type: unknown format 'q5_k'"),
+    (["--dense", "--predictor-type", "q8_0"], "--dense runs no predictors: --predictor-type has nothing to act on"),
+    (["/etc/hostname"], "not a folder or a GGUF file"),
 ])
 def test_bad_flags(args, expect):
     r = run(*args)
