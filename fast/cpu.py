@@ -19,6 +19,7 @@ Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/ke
 N output rows, R predictor hidden size, C accumulator chunks.
 """
 
+import hashlib
 import math
 import os
 
@@ -37,11 +38,47 @@ from fast.quant import axpy, axpy4, dot, dot4, quantize_input
 # kernel loads libgomp; a value in the environment wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "300000")
 
+def drop_stale_cache(here: str = os.path.dirname(os.path.abspath(__file__))) -> None:
+    """Forget the cached kernels of this module when fast/quant.py changed since they were compiled: numba checks a
+    cached kernel against the file it is defined in only, and the row operations of fast.quant are compiled into
+    these kernels, so without this an edit there (or a `git pull`) would keep running the old code. The default
+    cache location (__pycache__ beside this file) only; NUMBA_CACHE_DIR is the user's to manage."""
+    cache = os.path.join(here, "__pycache__")
+    if os.environ.get("NUMBA_CACHE_DIR") or not os.path.isdir(cache):
+        return
+    digest = hashlib.sha256()
+    for name in ("cpu.py", "quant.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    stamp, want = os.path.join(cache, "kernels.stamp"), digest.hexdigest()
+    try:
+        with open(stamp) as f:
+            if f.read() == want:
+                return
+    except OSError:
+        pass
+    for name in os.listdir(cache):
+        if name.startswith("cpu.") and name.endswith((".nbi", ".nbc")):
+            try:
+                os.remove(os.path.join(cache, name))
+            except OSError:
+                pass
+    try:
+        with open(stamp, "w") as f:
+            f.write(want)
+    except OSError:  # a read-only install: numba will not cache there either
+        pass
+
+
+drop_stale_cache()
+
 # FFN kinds as kernel constants (ref.model.ffn_activation's names).
 KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
 # Row chunks per matmul: one per MiB of weights (256 KiB per stream: 64 chunks lost 12 % on a predictor's fc1
 # [512, 2048] and 4 % on its fc2 [5632, 512] against 8 or 16), at least 16 to keep 16 cores busy, at most 64.
 MATMUL_CHUNKS = (16, 64, 1 << 18)  # fewest, most, weights per chunk
+PREFETCH_ROW_BYTES = 2048
+LEAD = 3  # of each row of a lane's next (not adjacent) bundle, ahead of the kernel's own prefetch
 FASTMATH = True  # vectorised dot products reorder sums; well inside the 1e-4 tolerance (tests check)
 
 
@@ -71,17 +108,17 @@ def matmul(out, x, w):
     N = w.shape[0]
     fewest, most, size = MATMUL_CHUNKS
     C = min(most, max(fewest, N * K // size))
-    xq, xd = quantize_input(x, w)
+    xq, xd, xs = quantize_input(x, w)
     for c in prange(C):
         lo, hi = c * N // C, (c + 1) * N // C
         q = (hi - lo) // 4
         for n in range(lo, lo + q):
             for t in range(T):
-                s0, s1, s2, s3 = dot4(w[n], w[n + q], w[n + 2 * q], w[n + 3 * q], x[t], xq[t], xd[t])
+                s0, s1, s2, s3 = dot4(w[n], w[n + q], w[n + 2 * q], w[n + 3 * q], x[t], xq[t], xd[t], xs[t])
                 out[t, n], out[t, n + q], out[t, n + 2 * q], out[t, n + 3 * q] = s0, s1, s2, s3
         for m in range(lo + 4 * q, hi):
             for t in range(T):
-                out[t, m] = dot(w[m], x[t], xq[t], xd[t])
+                out[t, m] = dot(w[m], x[t], xq[t], xd[t], xs[t])
 
 
 @njit(cache=True)
@@ -134,17 +171,18 @@ def attention(out, q, k, v, pos0, scores):
 
 
 @intrinsic
-def prefetch(typingctx, a, i):
-    """Hint the cache line of a.flat[i] (a C-contiguous) into L2 ahead of use: llvm.prefetch, read, locality 2.
-    Only a hint: it never faults and changes no result."""
+def prefetch(typingctx, a, i, offset):
+    """Hint the cache line `offset` bytes past a.flat[i] (a C-contiguous) into L2 ahead of use: llvm.prefetch, read,
+    locality 2. Only a hint: it never faults and changes no result."""
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                                             "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p), i32(0), i32(2), i32(1)])
+        line = builder.gep(builder.bitcast(builder.gep(data, [args[1]]), i8p), [args[2]])
+        builder.call(fn, [line, i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
-    return types.void(a, i), codegen
+    return types.void(a, i, offset), codegen
 
 
 def activation_py(kind, g, u, thr):
@@ -184,8 +222,9 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     three rows, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent ones: -3 %).
     """
     C, D = acc.shape
-    xq, xd = quantize_input(x.reshape((1, D)), bundle)
-    xq0, xd0 = xq[0], xd[0]
+    xq, xd, xs = quantize_input(x.reshape((1, D)), bundle)
+    xq0, xd0, xs0 = xq[0], xd[0], xs[0]
+    row_bytes = bundle.shape[2] * bundle.itemsize
     for c in prange(C):
         lo, hi = c * n_active // C, (c + 1) * n_active // C
         q = (hi - lo) // 4
@@ -199,10 +238,11 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
                     nxt = active[j + 1 + k * q]
                     if nxt != active[j + k * q] + 1:
                         for part in range(3):
-                            prefetch(bundle, (nxt * 3 + part) * bundle.shape[2])
+                            for off in range(0, min(row_bytes, PREFETCH_ROW_BYTES), 64):
+                                prefetch(bundle, (nxt * 3 + part) * bundle.shape[2], off)
             b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [3, D] each
-            g0, g1, g2, g3 = dot4(b0[0], b1[0], b2[0], b3[0], x, xq0, xd0)
-            u0, u1, u2, u3 = dot4(b0[1], b1[1], b2[1], b3[1], x, xq0, xd0)
+            g0, g1, g2, g3 = dot4(b0[0], b1[0], b2[0], b3[0], x, xq0, xd0, xs0)
+            u0, u1, u2, u3 = dot4(b0[1], b1[1], b2[1], b3[1], x, xq0, xd0, xs0)
             a0 = np.float32(activation(kind, g0, u0, thr))
             a1 = np.float32(activation(kind, g1, u1, thr))
             a2 = np.float32(activation(kind, g2, u2, thr))
@@ -210,7 +250,7 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
             axpy4(y, a0, a1, a2, a3, b0[2], b1[2], b2[2], b3[2])
         for j in range(lo + 4 * q, hi):
             b = bundle[active[j]]
-            a = np.float32(activation(kind, dot(b[0], x, xq0, xd0), dot(b[1], x, xq0, xd0), thr))
+            a = np.float32(activation(kind, dot(b[0], x, xq0, xd0, xs0), dot(b[1], x, xq0, xd0, xs0), thr))
             axpy(y, a, b[2])
     sum_chunks(out, acc)
 

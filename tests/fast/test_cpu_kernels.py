@@ -14,3 +14,24 @@ def test_every_kernel_a_table_names_exists():
     simulator run did not look."""
     assert {n for n in CASES if not hasattr(cpu, n)} == set()
     assert {n for n, _, _ in DEVICE_SHAPES if not hasattr(gpu, n)} == set()
+
+
+def test_cached_kernels_are_dropped_when_the_row_operations_change(tmp_path, monkeypatch):
+    """numba checks a cached kernel against its own file only; fast.cpu also checks fast/quant.py, whose row
+    operations are compiled into its kernels."""
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    for name in ("cpu.py", "quant.py"):
+        (tmp_path / name).write_text(f"# {name}\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+    kernel, other = cache / "cpu.matmul-62.py311.nbi", cache / "engine.x.pyc"
+    kernel.write_bytes(b"old")
+    other.write_bytes(b"keep")
+    cpu.drop_stale_cache(str(tmp_path))  # no stamp yet: dropped
+    assert not kernel.exists() and other.exists()
+    kernel.write_bytes(b"new")
+    cpu.drop_stale_cache(str(tmp_path))  # nothing changed: kept
+    assert kernel.exists()
+    (tmp_path / "quant.py").write_text("# quant.py, edited\n")
+    cpu.drop_stale_cache(str(tmp_path))
+    assert not kernel.exists() and other.exists()
