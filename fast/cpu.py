@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fast.quant import axpy, axpy4, dot, dot4, quantize_input
+from fast.quant import axpy, axpy4, dot, dot4, prefetch_span, quantize_input
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -77,7 +77,6 @@ KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
 # Row chunks per matmul: one per MiB of weights (256 KiB per stream: 64 chunks lost 12 % on a predictor's fc1
 # [512, 2048] and 4 % on its fc2 [5632, 512] against 8 or 16), at least 16 to keep 16 cores busy, at most 64.
 MATMUL_CHUNKS = (16, 64, 1 << 18)  # fewest, most, weights per chunk
-PREFETCH_ROW_BYTES = 2048
 LEAD = 3  # of each row of a lane's next (not adjacent) bundle, ahead of the kernel's own prefetch
 FASTMATH = True  # vectorised dot products reorder sums; well inside the 1e-4 tolerance (tests check)
 
@@ -224,7 +223,7 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     C, D = acc.shape
     xq, xd, xs = quantize_input(x.reshape((1, D)), bundle)
     xq0, xd0, xs0 = xq[0], xd[0], xs[0]
-    row_bytes = bundle.shape[2] * bundle.itemsize
+    span = prefetch_span(bundle)
     for c in prange(C):
         lo, hi = c * n_active // C, (c + 1) * n_active // C
         q = (hi - lo) // 4
@@ -238,7 +237,7 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
                     nxt = active[j + 1 + k * q]
                     if nxt != active[j + k * q] + 1:
                         for part in range(3):
-                            for off in range(0, min(row_bytes, PREFETCH_ROW_BYTES), 64):
+                            for off in range(0, span, 64):
                                 prefetch(bundle, (nxt * 3 + part) * bundle.shape[2], off)
             b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [3, D] each
             g0, g1, g2, g3 = dot4(b0[0], b1[0], b2[0], b3[0], x, xq0, xd0, xs0)
