@@ -77,7 +77,6 @@ KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
 # Row chunks per matmul: one per MiB of weights (256 KiB per stream: 64 chunks lost 12 % on a predictor's fc1
 # [512, 2048] and 4 % on its fc2 [5632, 512] against 8 or 16), at least 16 to keep 16 cores busy, at most 64.
 MATMUL_CHUNKS = (16, 64, 1 << 18)  # fewest, most, weights per chunk
-LEAD = 3  # of each row of a lane's next (not adjacent) bundle, ahead of the kernel's own prefetch
 FASTMATH = True  # vectorised dot products reorder sums; well inside the 1e-4 tolerance (tests check)
 
 
