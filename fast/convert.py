@@ -84,7 +84,11 @@ def main(model_dir, out, type_, predictors, dense, force):
     planned = plan(w, fmt, pred)
     total = sum(p.fmt.nbytes(p.shape) for p in planned)
     progress = Progress(f"writing {out.name}", total / 2**20, unit="MiB")
-    size = write_gguf(out, kind, "llama", kv, planned, lambda i, n, nbytes: progress.update(nbytes / 2**20))
+    def written(i, n, nbytes):  # each source tensor is read once: drop its pages (resident memory stays one tensor)
+        w.release()
+        progress.update(nbytes / 2**20)
+
+    size = write_gguf(out, kind, "llama", kv, planned, written)
     progress.close()
     click.echo(f"wrote {out}: {'PowerInfer' if pred is not None else 'llama.cpp'} GGUF, {fmt.name}, {len(planned)} "
                f"tensors, {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")

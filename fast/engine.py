@@ -30,7 +30,7 @@ from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
 from ref.model import rope_angles
-from ref.quant import blocks, format_of_blocks, quantize, quantize_predictors, values
+from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, values
 
 F32 = np.float32
 
@@ -149,6 +149,11 @@ class Engine(Decoder):
         if cfg.family not in LAYOUTS:
             raise UserError(f"{path}: the fast engine has no layout for the {cfg.family} family")
         fmt = fmt or stored_format(w)
+        if isinstance(w["layers.0.wd"], Quantized):  # llama.cpp's layout: blocks run along F, the bundle needs D
+            raise UserError(f"{path}: its FFN down matrices are quantized along the FFN dimension (llama.cpp's layout, "
+                            "ffn_down); the fast engine's neuron bundles need them along d_model (PowerInfer's "
+                            "ffn_down_t): convert the original checkpoint with python -m fast.convert, or run this file "
+                            "with python -m ref")
         layers = []
         for l in range(cfg.n_layers):
             layers.append(LAYOUTS[cfg.family](w, l, fmt))

@@ -166,7 +166,7 @@ class Llama(Model):
         """y = Wd a(Wg x, Wu x) with x = rmsnorm(h).  h: [T, D] residual stream entering the FFN block."""
         c = self.config
         g, u = self.ffn_gate_up(l, h)  # [T, F]
-        return ffn_activation(c.ffn_kind, g, u, c.act_threshold) @ self.w(f"layers.{l}.wd").T  # [T, D]
+        return self.linear(ffn_activation(c.ffn_kind, g, u, c.act_threshold), f"layers.{l}.wd")  # [T, D]
 
     def output(self, h: np.ndarray) -> np.ndarray:
         """Logits [T, V] = lm_head . rmsnorm(h)."""

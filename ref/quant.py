@@ -1,8 +1,8 @@
 """What a weight in each format means: llama.cpp's block layouts and reference rounding (ggml-quants.c), in NumPy.
 A weight stored in a format means its dequantized values; `quantize_model` is the transform that stores a model's
 matrices in a format, after which every engine computes with those values. A product W x with q8_0 or q4_0 weights
-reads x rounded to Q8_0 blocks (`input_values`), as llama.cpp's integer dot products do; the FFN's down matrix,
-applied as a sum of scaled rows of its transpose, reads the activations as they are.
+reads x rounded to Q8_0 blocks (`input_values`), as llama.cpp's integer dot products do; the FFN's down matrix
+stored transposed (PowerInfer's ffn_down_t, applied as a sum of scaled rows) reads the activations as they are.
 
 Blocks run along a row (the input dimension of a [out, in] weight), 32 elements each:
   q8_0, 34 bytes: fp16 d, 32 int8 q;  d = amax / 127, q = round(x / d) (half away from zero), value q d.
