@@ -16,7 +16,7 @@ from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
 from ref.common.formats import Format, format_of
 from ref.common.names import expected_shapes
-from ref.quant import predictor_format
+from ref.quant import format_of_blocks, predictor_format
 
 def kernels_cached() -> bool:
     """Whether numba's on-disk cache holds fast.cpu's kernels (its index files beside the module): if not, the
@@ -66,6 +66,11 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     return engine
 
 
+def elements(b) -> int:
+    """Elements of rows of blocks (their count times the format's block)."""
+    return b.size * format_of_blocks(b.dtype).block
+
+
 def memory_available() -> int:
     """Bytes the kernel can give this process without swapping (MemAvailable; page cache counts as available)."""
     try:
@@ -110,7 +115,7 @@ def place_on_gpu(engine: Engine, model_dir: Path, device: str, placement=None, v
     else:
         req = request(c, model_dir / "activations.safetensors", budget / GiB, hw, engine.format, c.max_seq_len, GROUP,
                       "auto")
-        params = [a.size + b.size for a, b in zip(sel.fc1, sel.fc2)] if sel.predicts else []
+        params = [elements(a) + elements(b) for a, b in zip(sel.fc1, sel.fc2)] if sel.predicts else []
         solved, _, meta = place(c, model_dir / "activations.safetensors", req, hw, params)
         neurons, dense = solved.gpu_neurons, meta["dense_on_gpu"]
     return to_hybrid(engine, neurons, dense)

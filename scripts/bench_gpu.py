@@ -12,7 +12,7 @@ from numba import cuda
 
 from fast import gpu
 from fast.bench import SyntheticSelector, predictor_size, random_engine, synthetic_predictors, time_decode
-from fast.engine import Selector
+from fast.engine import Selector, convert
 from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
@@ -20,6 +20,8 @@ from placement.synthetic import synthetic_counts
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.errors import UserError
+from ref.common.formats import FORMATS
+from ref.quant import blocks, quantize
 
 F32 = np.float32
 
@@ -37,20 +39,22 @@ def timed(fn, repeats: int = 3) -> float:
     return best
 
 
-def kernel_bandwidths(D: int, F: int, sparsity: float) -> dict:
-    """GB/s of the bandwidth-bound kernels (bytes they must read / time) and of a device-to-device copy."""
+def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32") -> dict:
+    """GB/s of the bandwidth-bound kernels (bytes they must read / time) and of a device-to-device copy, weights in
+    `fmt` (gpu.Weight: quants or bits plus block scales)."""
     rng = np.random.default_rng(0)
-    bundle = cuda.to_device(rng.random((F, 3, D), dtype=F32))
-    wd = cuda.to_device(rng.random((F, D), dtype=F32))
+    host = blocks(quantize(rng.random((F, 3, D), dtype=F32) - F32(0.5), fmt))
+    bundle, wd = gpu.weight(host).to_device(), gpu.weight(np.ascontiguousarray(host[:, 2])).to_device()
+    row_bytes = (bundle.q.nbytes + (bundle.d.nbytes if bundle.kind in gpu.QUANTIZED else 0)) // (3 * F)
     x = cuda.to_device(rng.random((1, D), dtype=F32))
     out_f, out_d = cuda.device_array((1, F), F32), cuda.device_array(D, F32)
     n = int((1 - sparsity) * F)
     active = cuda.to_device(np.sort(rng.choice(F, n, replace=False)).astype(np.int32))
-    copy_dst = cuda.device_array_like(bundle)
-    res = {"copy": 2 * bundle.nbytes / timed(lambda: copy_dst.copy_to_device(bundle)) / 1e9}  # read + write
-    res["matmul"] = wd.nbytes / timed(lambda: gpu.matmul(out_f, x, wd)) / 1e9
-    res["sparse_ffn"] = n * 3 * D * 4 / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, active, n, 0, F32(0))) / 1e9
-    res["dense_ffn"] = bundle.nbytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, cuda.to_device(
+    copy_dst = cuda.device_array_like(bundle.q)
+    res = {"copy": 2 * bundle.q.nbytes / timed(lambda: copy_dst.copy_to_device(bundle.q)) / 1e9}  # read + write
+    res["matmul"] = F * row_bytes / timed(lambda: gpu.matmul(out_f, x, wd)) / 1e9
+    res["sparse_ffn"] = n * 3 * row_bytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, active, n, 0, F32(0))) / 1e9
+    res["dense_ffn"] = F * 3 * row_bytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, cuda.to_device(
         np.arange(F, dtype=np.int32)), F, 0, F32(0))) / 1e9
     return res
 
@@ -61,15 +65,17 @@ def kernel_bandwidths(D: int, F: int, sparsity: float) -> dict:
 @click.option("--sparsity", default=0.9, show_default=True, help="Predicted sparsity of the synthetic active sets.")
 @click.option("--tokens", default=8, show_default=True)
 @click.option("--runs", default=3, show_default=True)
+@click.option("--type", "type_", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
+              help="Weight format of the synthetic model and the kernels.")
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
+def main(shape, budgets, sparsity, tokens, runs, type_, threads, json_file):
     """Kernel GB/s vs copy, then hybrid vs layer policy decode tok/s per VRAM budget."""
     require_gpu("scripts/bench_gpu.py")
     cfg = shape_config(shape)
-    kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity)
-    base = random_engine(cfg, threads)
+    kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity, type_)
+    base = convert(random_engine(cfg, threads), FORMATS[type_])
     pred = synthetic_predictors(cfg, predictor_size(cfg))
     model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.bundle.nbytes for L in base.layers) + base.lm_head.nbytes
     counts = synthetic_counts(cfg.n_layers, cfg.d_ffn, seed=0)
@@ -95,10 +101,10 @@ def main(shape, budgets, sparsity, tokens, runs, threads, json_file):
                    gpu_neurons_share=sum(map(len, placed.gpu_neurons)) / (cfg.n_layers * cfg.d_ffn))
         del hybrid
         rows.append(row)
-    out = {"shape": shape, "kernels_gbs": kernels, "decode": rows}
+    out = {"shape": shape, "type": type_, "kernels_gbs": kernels, "decode": rows}
     if json_file:
         json_file.write_text(json.dumps(out, indent=2) + "\n")
-    click.echo(f"kernels ({shape} FFN shape, {sparsity:.0%} sparse): "
+    click.echo(f"kernels ({shape} FFN shape, {type_}, {sparsity:.0%} sparse): "
                + ", ".join(f"{k} {v:.0f} GB/s" for k, v in kernels.items())
                + f"; sparse_ffn at {kernels['sparse_ffn'] / kernels['copy']:.0%} of copy")
     click.echo("| budget | GiB | layer policy: GPU layers | t/s | hybrid: GPU attention | GPU neurons | t/s | hybrid / layers |")

@@ -74,7 +74,7 @@ def test_solver_split_through_the_facade_and_repeatable(tiny):
     (d / "c.txt").write_text("x")
     save_activations(d / "activations.safetensors", counts, 100, d / "c.txt", d)
     from placement.budget import GiB, plan_budget
-    empty = plan_budget(cfg, FORMATS["f32"], cfg.max_seq_len, 10**9, [4 * 8 + 12 * 4] * 2)
+    empty = plan_budget(cfg, FORMATS["f16"], cfg.max_seq_len, 10**9, [4 * 8 + 12 * 4] * 2)  # as stored
     budget = 10**9 - empty.ffn_budget_bytes + 18 * empty.neuron_bytes  # dense parts plus 18 of the 24 neurons
     before = sorted(p.name for p in d.iterdir())
     e = fast.load_engine(d, device="hybrid", predictors=d / "predictors.safetensors", vram_budget=budget / GiB)
