@@ -253,6 +253,32 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     sum_chunks(out, acc)
 
 
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
+    """out[t] = sum over j < n_active with mask[t, j] of a_tj bundle[i, 2], i = active[j]: each token's sparse FFN
+    over its own predicted set, the chunk's neurons (the union of the sets) each read once for all T tokens.
+
+    out: [T, D]; acc: [C, T, D] per-chunk private accumulators; x: [T, D]; mask: [T, >= n_active] uint8 (token t
+    computes union neuron j). A neuron whose activation is 0 adds nothing and its down row is skipped."""
+    C, T, D = acc.shape
+    xq, xd, xs = quantize_input(x, bundle)
+    for c in prange(C):
+        lo, hi = c * n_active // C, (c + 1) * n_active // C
+        y = acc[c]
+        for t in range(T):
+            for d in range(D):
+                y[t, d] = 0.0
+        for j in range(lo, hi):
+            b = bundle[active[j]]
+            for t in range(T):
+                if mask[t, j]:
+                    a = np.float32(activation(kind, dot(b[0], x[t], xq[t], xd[t], xs[t]),
+                                              dot(b[1], x[t], xq[t], xd[t], xs[t]), thr))
+                    if a != 0:
+                        axpy(y[t], a, b[2])
+    sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
+
+
 @njit(cache=True)
 def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):
     """out = wo . attention(rope(q), rope(k), v), [q; k; v] = wqkv . rmsnorm(h); this step's keys and values are

@@ -33,6 +33,7 @@ from ref.model import rope_angles
 from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, values
 
 F32 = np.float32
+FFN_CHUNK = 64  # prompt tokens per batched FFN call: their accumulators, [2 threads, 64, D], stay within the caches
 
 
 @dataclass
@@ -183,12 +184,27 @@ class Engine(Decoder):
         return out
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
-        """y = sum over the active set of a_i Wd[:, i], the set chosen per token by `active_set`.  h: [T, D]."""
-        L, y = self.layers[l], np.empty_like(h)
-        for t in range(h.shape[0]):
-            active = self.active_set(l, h[t])
-            cpu.ffn_block(y[t], self.acc, h[t], L.ffn_norm, L.bundle, active, len(active), self.kind, self.thr,
+        """y = sum over the active set of a_i Wd[:, i], the set chosen per token by `active_set`.  h: [T, D].
+
+        One token: the fused decode kernel. Several (a prompt): per chunk of FFN_CHUNK tokens, each neuron of the
+        union of their sets read once for all of them, each token computing only its own (`sparse_ffn_batch`)."""
+        L, y, T = self.layers[l], np.empty_like(h), h.shape[0]
+        if T == 1:
+            active = self.active_set(l, h[0])
+            cpu.ffn_block(y[0], self.acc, h[0], L.ffn_norm, L.bundle, active, len(active), self.kind, self.thr,
                           self.config.rms_norm_eps)
+            return y
+        x = np.empty_like(h)
+        cpu.rmsnorm(x, h, L.ffn_norm, self.config.rms_norm_eps)
+        for t0 in range(0, T, FFN_CHUNK):
+            n = min(FFN_CHUNK, T - t0)
+            picked = np.zeros((n, self.config.d_ffn), np.uint8)  # [n, F]: token t computes neuron i
+            for t in range(n):
+                picked[t, self.active_set(l, h[t0 + t])] = 1
+            union = np.flatnonzero(picked.any(axis=0)).astype(np.int32)
+            mask = np.ascontiguousarray(picked[:, union]) if len(union) else np.zeros((n, 1), np.uint8)
+            cpu.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n], L.bundle,
+                                 union, len(union), mask, self.kind, self.thr)
         return y
 
     def block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:

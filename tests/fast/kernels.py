@@ -91,6 +91,25 @@ def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
     return lambda k: (k.sparse_ffn(out, acc, x, bundle, active, n_active, KINDS[kind], F32(0.1)), out)[1], want
 
 
+def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, full=False):
+    """T tokens, each with its own predicted set (one empty, one full where asked), over the union of the sets."""
+    x, (bundle, bv, read) = randn(rng, T, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
+    sets = [np.sort(rng.choice(F, rng.integers(0, F + 1), replace=False)).astype(np.int32) for _ in range(T)]
+    if empty:
+        sets[0] = np.empty(0, np.int32)
+    if full:
+        sets[-1] = np.arange(F, dtype=np.int32)
+    union = np.unique(np.concatenate(sets)).astype(np.int32)
+    mask = np.zeros((T, max(len(union), 1)), np.uint8)
+    for t, a in enumerate(sets):
+        mask[t, np.searchsorted(union, a)] = 1
+    out, acc = np.empty((T, D), F32), np.empty((chunks, T, D), F32)
+    want = np.stack([ref_sparse_ffn(read(x[t]), bv[:, 0], bv[:, 1], bv[:, 2].T, sets[t], kind, 0.1, np.float64)
+                     for t in range(T)])
+    return (lambda k: (k.sparse_ffn_batch(out, acc, x, bundle, union, len(union), mask, KINDS[kind], F32(0.1)), out)[1],
+            want)
+
+
 def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
     h, w, (bundle, bv, read) = randn(rng, D, scale=3), randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
@@ -118,7 +137,7 @@ def case_predicted_set(rng, F, threshold):
 CASES = {
     "rmsnorm": case_rmsnorm, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
-    "attention_block": case_attention_block, "ffn_block": case_ffn_block,
+    "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
 }
 
 # (kernel, shape, sim): tails (sizes off every block), single tokens, GQA, MHA and MQA, empty and full active sets.
@@ -161,6 +180,9 @@ SHAPES = [
     ("ffn_block", dict(F=20, D=8, n_active=20, kind="silu"), False),
     ("ffn_block", dict(F=9, D=5, n_active=0, kind="relu"), False),
     ("ffn_block", dict(F=12, D=9, n_active=5, kind="relu"), True), ("ffn_block", dict(F=6, D=5, n_active=0, kind="relu"), True),
+    ("sparse_ffn_batch", dict(T=5, F=40, D=19, kind="relu", empty=True, full=True), False),
+    ("sparse_ffn_batch", dict(T=1, F=9, D=8, kind="drelu"), False),
+    ("sparse_ffn_batch", dict(T=3, F=30, D=33, kind="fatrelu", chunks=7), False),
     # every weight-reading kernel in every format fast.cpu reads
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("f16", "bf16") for name, shape in (
         ("matmul", dict(T=2, N=301, K=9)), ("matmul", dict(T=1, N=7, K=40)),
@@ -174,6 +196,7 @@ SHAPES = [
         ("sparse_ffn", dict(F=100, D=64, n_active=37, kind="relu")), ("sparse_ffn", dict(F=77, D=32, n_active=77, kind="drelu")),
         ("sparse_ffn", dict(F=20, D=32, n_active=0, kind="relu")), ("sparse_ffn", dict(F=9, D=64, n_active=2, kind="relu", chunks=7)),
         ("ffn_block", dict(F=50, D=64, n_active=13, kind="fatrelu")),
+        ("sparse_ffn_batch", dict(T=4, F=20, D=64, kind="relu", empty=True, full=True)),
         ("attention_block", dict(T=2, S=7, H=4, K=1, E=8, D=64)))],
 ]
 # Every weight format under the CUDA simulator too, on few blocks: one or two rows of whole 32-element blocks.
@@ -181,8 +204,8 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
     ("matmul", dict(T=2, N=5, K=32)), ("sparse_ffn", dict(F=6, D=32, n_active=3, kind="relu")),
     ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")))]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
-# share included, so fast.gpu has no predicted_set.
-CPU_ONLY = {"predicted_set"}
+# share included, so fast.gpu has no predicted_set; batched prefill runs on the CPU so far.
+CPU_ONLY = {"predicted_set", "sparse_ffn_batch"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY]
 
 
