@@ -153,6 +153,28 @@ class LlamaCpp:
     def step(self, token: int) -> None:
         self.llm.eval([token])
 
+    def prefill(self, tokens) -> None:
+        """A prompt from an empty cache, in llama.cpp's batches."""
+        self.llm.reset()
+        self.llm.eval([int(t) for t in tokens])
+
+
+def prefill_rounds(engine: Engine, selectors: dict, n: int, runs: int, peer=None) -> dict:
+    """Seconds of an n-token prompt from an empty cache, per selector (and the peer), the runs interleaved."""
+    tokens = (np.arange(n) * 7 + 1) % engine.config.vocab_size
+    out = {name: [] for name in [*selectors, *([peer.name] if peer else [])]}
+    for _ in range(runs + 1):  # the first round compiles
+        for name, selector in selectors.items():
+            engine.selector, cache = selector, engine.new_cache(n)
+            t0 = time.perf_counter()
+            engine.forward(Batch.single(tokens, cache), cache)
+            out[name].append(time.perf_counter() - t0)
+        if peer is not None:
+            t0 = time.perf_counter()
+            peer.prefill(tokens)
+            out[peer.name].append(time.perf_counter() - t0)
+    return {name: seconds[1:] for name, seconds in out.items()}
+
 
 def random_gguf(cfg: ModelConfig, fmt: Format, path, seed: int = 0) -> int:
     """A llama.cpp GGUF of this shape and format with random weights (values do not change a dense token's time;

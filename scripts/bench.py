@@ -15,7 +15,8 @@ import click
 import numpy as np
 
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
-                        overhead_per_token, predictor_size, random_engine, random_gguf, synthetic_predictors)
+                        overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
+                        synthetic_predictors)
 from fast.engine import Selector, convert
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
@@ -37,17 +38,19 @@ from ref.quant import predictor_format, quantize_predictors
 @click.option("--tokens", type=int, default=16, show_default=True, help="Decode steps per run.")
 @click.option("--runs", type=int, default=7, show_default=True, help="Rounds of --tokens steps each, after one warm-up.")
 @click.option("--probe-gib", type=float, default=1.0, show_default=True, help="Size of one read-bandwidth probe pass.")
+@click.option("--pp", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also time an N-token prompt (prefill), dense and sparse (0: no).")
 @click.option("--peer", "with_peer", is_flag=True,
               help="Also time llama.cpp (llama-cpp-python, the 'peer' extra) on a random GGUF of the same shape and format.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, with_peer, json_file):
+def main(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, with_peer, json_file):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
     with busy_cores(busy):
-        run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, with_peer, json_file)
+        run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, with_peer, json_file)
 
 
-def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, with_peer, json_file):
+def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, with_peer, json_file):
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
     if runs < 1 or tokens < 1:
@@ -63,8 +66,9 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         peer = None
         if with_peer:  # llama.cpp on a random GGUF of the same shape and format, timed token by token among ours
             random_gguf(cfg, engine.format, Path(tmp) / "peer.gguf")
-            peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, tokens + 2)
+            peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, max(tokens, pp) + 2)
         rounds = [bracketed_decode(engine, selectors, probe, tokens, r, peer) for r in range(runs + 1)][1:]  # round 0 compiles
+        prefill = prefill_rounds(engine, selectors, pp, runs, peer) if pp else {}
     names = [*selectors, *([LlamaCpp.name] if peer else [])]
     nbytes = {"dense": bytes_per_token(engine, cfg.d_ffn, selectors["dense"]),
               "sparse": bytes_per_token(engine, selectors["sparse"].mean_active(), selectors["sparse"])}
@@ -89,6 +93,8 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
            "ratio_sparse_dense": float(np.median(steps)),
            "ratio_by_bus": {half: float(np.median(steps[pick])) for half, pick in halves.items()},
            "overhead_ms_per_token": overhead * 1e3, "overhead_share_sparse": overhead * results["sparse"]["tok_s"]}
+    if pp:  # t/s: median of the runs
+        out["pp"] = {"tokens": pp, **{f"{name}_tok_s": pp / float(np.median(t)) for name, t in prefill.items()}}
     if peer:  # step by step, as sparse/dense
         out["ratio_vs_llama_cpp"] = {name: float(np.median(seconds[LlamaCpp.name] / seconds[name])) for name in selectors}
     size_gib = nbytes["dense"] / 2**30
@@ -103,6 +109,10 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | {backend} | "
                    f"{engine.threads} | tg{tokens} | {t.mean():.2f} ± {t.std():.2f} | {r['tok_s'] * r['bytes_per_token'] / 1e9:.1f} | "
                    f"{r['roofline']:.0%} |")
+    for name, t in prefill.items():
+        backend = "llama.cpp cpu dense" if name == LlamaCpp.name else f"numba-cpu {name}"
+        click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | {backend} | "
+                   f"{engine.threads} | pp{pp} | {pp / np.median(t):.2f} ± {np.std(pp / np.asarray(t)):.2f} | | |")
     click.echo(f"sparse/dense: {out['ratio_sparse_dense']:.2f}x (median of step-by-step token-time ratios; "
                f"{out['ratio_by_bus']['faster']:.2f}x on the steps with the faster half of probe passes, "
                f"{out['ratio_by_bus']['slower']:.2f}x on the slower half) at {sparsity:.0%} predicted "

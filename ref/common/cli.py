@@ -35,6 +35,7 @@ class Generation:
     repeat_penalty: float
     repeat_last_n: int
     ctx_size: int
+    batch_size: int
     ignore_eos: bool
 
     def check(self) -> "Generation":
@@ -43,6 +44,8 @@ class Generation:
                        self.repeat_last_n)
         if self.seed < -1:
             raise UserError(f"-s/--seed must be >= 0, or -1 (random), got {self.seed}")
+        if self.batch_size < 1:
+            raise UserError(f"-b/--batch-size must be >= 1, got {self.batch_size}")
         if self.model_dir is not None and self.model is not None and self.model_dir != self.model:
             raise UserError(f"MODEL_DIR {self.model_dir} and -m/--model {self.model} name two models")
         self.model_dir = self.model_dir or self.model or DEFAULT_MODEL
@@ -63,7 +66,7 @@ class Generation:
         """The keyword arguments of `generate` these flags set."""
         return dict(temperature=self.temp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
-                    ctx_size=self.ctx_size or None, ignore_eos=self.ignore_eos)
+                    ctx_size=self.ctx_size or None, ignore_eos=self.ignore_eos, batch_size=self.batch_size)
 
 
 GENERATION_FLAGS = [
@@ -84,6 +87,8 @@ GENERATION_FLAGS = [
     click.option("--repeat-last-n", default=REPEAT_LAST_N, show_default=True, type=int,
                  help="Tokens the repeat penalty looks back over (0: off, -1: the whole context)."),
     click.option("-c", "--ctx-size", default=0, show_default=True, type=int, help="Context size (0: the model's)."),
+    click.option("-b", "--batch-size", default=512, show_default=True, type=int,
+                 help="Prompt tokens per forward pass (each weight read once per batch)."),
     click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-text token."),
 ]
 

@@ -100,13 +100,16 @@ class Timings:
 
 def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
              seed=None, ctx_size=None, on_token=None, timings: Timings | None = None, repeat_last_n=REPEAT_LAST_N,
-             ignore_eos=False) -> list[int]:
+             ignore_eos=False, batch_size=512) -> list[int]:
     """New token ids after the prompt `ids`; stops at EOS (not returned; never with `ignore_eos`), after
     `max_new_tokens` (-1: no limit), or when prompt and output fill the context. `timings.stop` says which.
 
-    `model` is any engine with `config`, `new_cache(capacity)` and `forward(batch, cache) -> logits [T, V]`.
+    `model` is any engine with `config`, `new_cache(capacity)` and `forward(batch, cache) -> logits [T, V]`; the
+    prompt goes through it `batch_size` tokens at a time (llama.cpp's -b).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+    if batch_size < 1:
+        raise UserError(f"-b/--batch-size must be >= 1, got {batch_size}")
     cfg = model.config
     ctx = check_prompt(ids, cfg, ctx_size)
     ids = [int(i) for i in ids]
@@ -118,7 +121,8 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     rng = np.random.default_rng(seed)
     cache = model.new_cache(min(ctx, len(ids) + limit))
     t0 = time.perf_counter()
-    logits = model.forward(Batch.single(ids, cache), cache)[-1]  # [V]
+    for i in range(0, len(ids), batch_size):
+        logits = model.forward(Batch.single(ids[i:i + batch_size], cache), cache)[-1]  # [V]
     timings.prompt_tokens, timings.prompt_seconds = len(ids), time.perf_counter() - t0
     out: list[int] = []
     t0 = time.perf_counter()

@@ -90,3 +90,13 @@ def test_bench_peer(tmp_path):
     out = json.loads((tmp_path / "b.json").read_text())
     assert out["llama.cpp"]["tok_s"] > 0 and set(out["ratio_vs_llama_cpp"]) == {"dense", "sparse"}
     assert "| llama.cpp cpu dense |" in r.output
+
+
+def test_bench_prompt_processing(tmp_path):
+    """--pp N: an N-token prompt from an empty cache, dense and sparse, in the table and the JSON."""
+    r = CliRunner().invoke(load_script("bench").main, ["--shape", "micro", "--tokens", "1", "--runs", "1", "--pp", "9",
+                                                       "--probe-gib", "0.01", "-t", "1", "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    pp = json.loads((tmp_path / "b.json").read_text())["pp"]
+    assert pp["tokens"] == 9 and pp["dense_tok_s"] > 0 and pp["sparse_tok_s"] > 0
+    assert "| numba-cpu sparse | 1 | pp9 |" in r.output

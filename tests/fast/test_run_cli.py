@@ -29,6 +29,13 @@ def test_type_runs_the_weights_in_that_format(tmp_path):
     assert "weights bf16" in r.stderr and json.loads((tmp_path / "t.json").read_text())["type"] == "bf16"
 
 
+def test_prompt_batches_give_the_same_text():
+    """-b 3: the prompt in forward passes of 3 tokens, the same greedy text as in one pass."""
+    prompt = "once upon a time, there was a little girl named lily who"
+    a, b = (run("-p", prompt, "-n", "12", "--temp", "0", *extra) for extra in ([], ["-b", "3"]))
+    assert a.returncode == 0 and b.returncode == 0 and a.stdout == b.stdout
+
+
 def test_same_text_as_ref_greedy():
     a = run("-p", "the cat", "-n", "12", "--temp", "0", "--dense")
     b = subprocess.run([sys.executable, "-m", "ref", "-p", "the cat", "-n", "12", "--temp", "0"], capture_output=True,
@@ -46,6 +53,7 @@ def test_same_text_as_ref_greedy():
     (["--predictors", "/nonexistent.safetensors"], "predictors file not found"),
     (["--dense", "--predictor-type", "q8_0"], "--dense runs no predictors: --predictor-type has nothing to act on"),
     (["/etc/hostname"], "not a folder or a GGUF file"),
+    (["-b", "0"], "-b/--batch-size must be >= 1, got 0"),
 ])
 def test_bad_flags(args, expect):
     r = run(*args)
