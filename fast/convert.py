@@ -74,8 +74,8 @@ def main(model_dir, out, type_, predictors, dense, force):
     if not dense:
         predictors = predictors or model_dir / "predictors.safetensors"
         if not predictors.is_file():
-            raise UserError(f"--predictors {predictors}: not found (a PowerInfer file carries predictors; --dense writes "
-                            "llama.cpp's layout without them)")
+            raise UserError(f"--predictors {predictors}: not found (a PowerInfer file carries predictors; "
+                            "--dense writes llama.cpp's layout without them)")
         pred = Predictors.load(predictors, cfg)
     kind = "gguf" if dense else "powerinfer"
     kv = model_kv(cfg, "llama", fmt, model_dir.resolve().name) + tokenizer_kv(tok_file.read_text(encoding="utf-8"), cfg)

@@ -213,7 +213,8 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     """out = sum_{j < n_active} a_i bundle[i, 2], i = active[j], a_i = a(bundle[i, 0].x, bundle[i, 1].x): PowerInfer's
     neuron-aware operator, gate/up rows and the down column of a neuron read as one contiguous bundle.
 
-    out: [D]; acc: [C, D] per-chunk private accumulators; x: [D]; bundle: [F, 3, D] (gate, up, down^T); active: [>= n_active].
+    out: [D]; acc: [C, D] per-chunk private accumulators; x: [D]; bundle: [F, 3, D] (gate, up, down^T);
+    active: [>= n_active].
     Four neurons stream at once, one from each quarter of the chunk (STREAMS), in three passes (gate rows, up rows,
     down rows) so that each stream reads its bundles front to back: +3 % over all neurons and +6 % over a 10 % set
     against gate and up in one pass. A lane whose next neuron is not adjacent prefetches the first line of its

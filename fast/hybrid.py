@@ -2,12 +2,12 @@
 
 `to_hybrid(engine, gpu_neurons, dense_on_gpu)` applies a placement it is given (`placement` decides; this module
 never does) to a loaded CPU engine, which the hybrid engine holds and runs its CPU blocks with. It uploads, in the
-engine's weight format (gpu.Weight), what the placement gives the GPU: per layer attention (with its KV cache), predictor and hot neurons (compact, in
-`gpu_neurons` order); the output layer. Which side runs each block is fixed then, as data: each block runs where
-its weights are and the residual stream follows, copied only when it changes sides. Per token, a layer whose
-neurons are split computes P ∩ G on the GPU (launched, not waited for) while the CPU kernels compute P \\ G; the
-other side's partial sum crosses over through pinned memory and is added where the residual lives (ref.sparse's
-`hybrid_ffn`).
+engine's weight format (gpu.Weight), what the placement gives the GPU: per layer attention (with its KV cache),
+predictor and hot neurons (compact, in `gpu_neurons` order); the output layer. Which side runs each block is fixed
+then, as data: each block runs where its weights are and the residual stream follows, copied only when it changes
+sides. Per token, a layer whose neurons are split computes P ∩ G on the GPU (launched, not waited for) while the CPU
+kernels compute P \\ G; the other side's partial sum crosses over through pinned memory and is added where the
+residual lives (ref.sparse's `hybrid_ffn`).
 
 Dimensions: T tokens, D d_model, F FFN neurons, G GPU neurons of a layer, H/K heads, E head dim, V vocab.
 """

@@ -46,11 +46,14 @@ def estimate(nll: np.ndarray) -> tuple[float, float]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path), required=False)
-@click.option("-m", "--model", type=click.Path(path_type=Path), default=None, help="Same as MODEL_DIR (an HF folder or a GGUF file).")
+@click.option("-m", "--model", type=click.Path(path_type=Path), default=None,
+              help="Same as MODEL_DIR (an HF folder or a GGUF file).")
 @click.option("-f", "--file", "text_file", type=click.Path(path_type=Path), required=True, help="The text to score.")
-@click.option("-c", "--ctx-size", "ctx", type=int, default=512, show_default=True, help="Tokens per chunk (at most the model's context).")
+@click.option("-c", "--ctx-size", "ctx", type=int, default=512, show_default=True,
+              help="Tokens per chunk (at most the model's context).")
 @click.option("--chunks", type=int, default=-1, show_default=True, help="Score at most this many chunks (-1: all).")
-@click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: the cores other processes leave idle].")
+@click.option("-t", "--threads", type=int, default=None,
+              help="CPU threads [default: the cores other processes leave idle].")
 @click.option("--type", "type_", type=click.Choice(list(FORMATS)), default=None, help="Weight format [default: as stored].")
 @click.option("--dense", is_flag=True, help="The dense FFN (no predictors).")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None,
