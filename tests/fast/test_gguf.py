@@ -287,7 +287,7 @@ def test_llama_cpp_computes_what_we_compute_on_our_file(tmp_path):
     """Where llama-cpp-python is installed (the 'peer' extra): llama.cpp loads files we wrote (llama.cpp's layout, a
     SwiGLU model since that is what its llama graph computes, its KV cache in f32 as ours) and its logits are ours
     on the same file (fast on the float formats, ref on the block formats, whose ffn_down fast refuses): tensors,
-    row order for RoPE, metadata and Q8_0-rounded dot products all agree (measured: 1e-7)."""
+    row order for RoPE, metadata and Q8_0-rounded dot products all agree (measured: 1e-7 for f32, q8_0, q4_0)."""
     pytest.importorskip("llama_cpp")
     from llama_cpp import Llama
     from tests.helpers import write_model
@@ -304,7 +304,9 @@ def test_llama_cpp_computes_what_we_compute_on_our_file(tmp_path):
         for i in ids:  # one token at a time: llama.cpp's AMX kernels (batches of quantized weights) crash in this VM
             llm.eval([i])
         theirs = np.array(llm.scores[: len(ids)], np.float32)
-        assert_close(ours(tmp_path / f"{fmt}.gguf").logits(np.array(ids)), theirs, rtol=1e-5, name=fmt)
+        # f16: some llama.cpp builds round the activations to f16 for F16 weights (4.5e-4 here), others do not (3e-7)
+        assert_close(ours(tmp_path / f"{fmt}.gguf").logits(np.array(ids)), theirs, rtol=1e-3 if fmt == "f16" else 1e-5,
+                     name=fmt)
 
 
 def test_a_quantized_llama_cpp_layout_is_refused_by_fast_with_the_way_out(files):
