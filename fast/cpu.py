@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fast.quant import axpy, axpy4, dot, dot4, prefetch_span, quantize_input
+from fast.quant import axpy, axpy4, axpy4t, dot, dot4, dot4t, prefetch_span, quantize_input
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -260,7 +260,8 @@ def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
     over its own predicted set, the chunk's neurons (the union of the sets) each read once for all T tokens.
 
     out: [T, D]; acc: [C, T, D] per-chunk private accumulators; x: [T, D]; mask: [T, >= n_active] uint8 (token t
-    computes union neuron j). A neuron whose activation is 0 adds nothing and its down row is skipped."""
+    computes union neuron j). A neuron's tokens go four at a time (dot4t, axpy4t: each row element loaded once for
+    four tokens); a single token's neuron whose activation is 0 skips its down row."""
     C, T, D = acc.shape
     xq, xd, xs = quantize_input(x, bundle)
     for c in prange(C):
@@ -269,14 +270,32 @@ def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
         for t in range(T):
             for d in range(D):
                 y[t, d] = 0.0
+        tokens, acts = np.empty(T, np.int64), np.empty(T, np.float32)  # a neuron's tokens and their activations
         for j in range(lo, hi):
             b = bundle[active[j]]
+            n = 0
             for t in range(T):
-                if mask[t, j]:
-                    a = np.float32(activation(kind, dot(b[0], x[t], xq[t], xd[t], xs[t]),
-                                              dot(b[1], x[t], xq[t], xd[t], xs[t]), thr))
-                    if a != 0:
-                        axpy(y[t], a, b[2])
+                tokens[n] = t
+                n += mask[t, j] != 0
+            for k in range(0, n - 3, 4):  # gate and up rows read once for four tokens
+                t0, t1, t2, t3 = tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3]
+                g0, g1, g2, g3 = dot4t(b[0], x, xq, xd, xs, t0, t1, t2, t3)
+                u0, u1, u2, u3 = dot4t(b[1], x, xq, xd, xs, t0, t1, t2, t3)
+                acts[k], acts[k + 1] = activation(kind, g0, u0, thr), activation(kind, g1, u1, thr)
+                acts[k + 2], acts[k + 3] = activation(kind, g2, u2, thr), activation(kind, g3, u3, thr)
+            for k in range(n - n % 4, n):
+                t = tokens[k]
+                acts[k] = activation(kind, dot(b[0], x[t], xq[t], xd[t], xs[t]), dot(b[1], x[t], xq[t], xd[t], xs[t]),
+                                     thr)
+            m = 0  # the tokens whose activation is not 0: only they add the down row
+            for k in range(n):
+                tokens[m], acts[m] = tokens[k], acts[k]
+                m += acts[k] != 0
+            for k in range(0, m - 3, 4):  # the down row read once for four tokens
+                axpy4t(y, tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3], acts[k], acts[k + 1], acts[k + 2],
+                       acts[k + 3], b[2])
+            for k in range(m - m % 4, m):
+                axpy(y[tokens[k]], acts[k], b[2])
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 

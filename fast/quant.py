@@ -371,6 +371,53 @@ def _dot(w, x, xq, xd, xs):
     return lambda w, x, xq, xd, xs: block_dot(w, xq, xd, xs, np.int64(w.shape[0] + AHEAD))
 
 
+def dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
+    """(w . x[t0], ..., w . x[t3]): one row against four tokens of x [T, K], the row read once."""
+
+
+@overload(dot4t)
+def _dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
+    if is_float(w):
+        def floats(w, x, xq, xd, xs, t0, t1, t2, t3):
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for k in range(x.shape[1]):
+                wk = load(w, k)
+                s0 += wk * x[t0, k]
+                s1 += wk * x[t1, k]
+                s2 += wk * x[t2, k]
+                s3 += wk * x[t3, k]
+            return s0, s1, s2, s3
+        return floats
+    return lambda w, x, xq, xd, xs, t0, t1, t2, t3: (dot(w, x[t0], xq[t0], xd[t0], xs[t0]),
+                                                     dot(w, x[t1], xq[t1], xd[t1], xs[t1]),
+                                                     dot(w, x[t2], xq[t2], xd[t2], xs[t2]),
+                                                     dot(w, x[t3], xq[t3], xd[t3], xs[t3]))
+
+
+def axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+    """y[t0] += a0 w, ..., y[t3] += a3 w: one row into four tokens' outputs, the row read once."""
+
+
+@overload(axpy4t)
+def _axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+    if is_float(w):
+        def floats(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+            for d in range(y.shape[1]):
+                wd = load(w, d)
+                y[t0, d] += a0 * wd
+                y[t1, d] += a1 * wd
+                y[t2, d] += a2 * wd
+                y[t3, d] += a3 * wd
+        return floats
+
+    def blocks(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+        block_axpy(y[t0], a0, w)
+        block_axpy(y[t1], a1, w)
+        block_axpy(y[t2], a2, w)
+        block_axpy(y[t3], a3, w)
+    return blocks
+
+
 def axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
     """y += a0 w0 + a1 w1 + a2 w2 + a3 w3."""
 
