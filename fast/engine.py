@@ -140,13 +140,13 @@ class Engine(Decoder):
         self.selector = Selector(c.d_ffn)
 
     @staticmethod
-    def load(path: str | Path, threads: int | None = None, fmt: Format | None = None) -> "Engine":
+    def load(path: str | Path | Weights, threads: int | None = None, fmt: Format | None = None) -> "Engine":
         """Lay out an HF folder or GGUF file for the kernels, dense, its matrices in the format they are stored in or
         in `fmt` (--type: converted a layer at a time as they are laid out, so that memory never holds the model
         twice). Features are transforms applied to the result; a PowerInfer file's predictors wait in
-        `file_predictors`."""
-        w = load_checkpoint(path)
-        cfg = w.config
+        `file_predictors`. `path` may be a checkpoint loaded already (ref.common.checkpoint.load_checkpoint)."""
+        w = path if isinstance(path, Weights) else load_checkpoint(path)
+        cfg, path = w.config, w.source
         if cfg.family not in LAYOUTS:
             raise UserError(f"{path}: the fast engine has no layout for the {cfg.family} family")
         fmt = fmt or stored_format(w)

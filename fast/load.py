@@ -29,7 +29,7 @@ POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style wh
 GROUP = 64  # neurons per ILP group
 
 
-EMBEDDED = "embedded"  # predictors=EMBEDDED: a PowerInfer file's own
+EMBEDDED = "embedded"  # predictors=EMBEDDED: the checkpoint's own where it has them (a PowerInfer file), else dense
 
 
 def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
@@ -52,9 +52,9 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         raise UserError(f"--type {fmt.name}: {path} is quantized to {stored.name} already; quantizing it again loses "
                         f"accuracy twice (convert the original checkpoint instead)")
     if predictors == EMBEDDED and w.predictors is None:
-        raise UserError(f"{path}: has no predictors of its own (a PowerInfer GGUF has); pass --predictors or --dense")
+        predictors = None
     check_memory(path, w.config, fmt or stored)
-    engine = Engine.load(path, threads, fmt)
+    engine = Engine.load(w, threads, fmt)
     if predictors is not None:  # a file's own as stored; others in the format that goes with the weights
         pfmt = (format_of(predictor_type, "--predictor-type") if predictor_type else
                 None if predictors == EMBEDDED else predictor_format(engine.format))

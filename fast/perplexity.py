@@ -76,7 +76,7 @@ def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predic
     if predictors is None and not dense:
         if path.is_dir() and (path / "predictors.safetensors").is_file():
             predictors = path / "predictors.safetensors"
-        elif w.predictors is not None:
+        elif path.is_file():  # a GGUF: sparse where it is PowerInfer's, with its predictors
             predictors = EMBEDDED
     tok = load_tokenizer(path)
     tokens = np.asarray([i for ids, _ in corpus_tokens(tok, text_file) for i in ids], dtype=np.int64)
@@ -85,7 +85,7 @@ def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predic
     n_chunks = len(tokens) // ctx if chunks < 0 else min(chunks, len(tokens) // ctx)
     engine = load_engine(path, predictors=predictors, threads=threads, type_=type_,
                          predictor_type=None if predictors is None else predictor_type)
-    kind = "dense" if predictors is None else "predictor-sparse"
+    kind = "predictor-sparse" if engine.selector.predicts else "dense"
     click.echo(f"perplexity: {len(tokens):,} tokens, {n_chunks} chunks of {ctx}, scoring the second half of each; "
                f"weights {engine.format.name}, FFN {kind}", err=True)
     nll = []

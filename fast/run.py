@@ -9,7 +9,6 @@ try:  # numba and the kernels take a second to import: a Ctrl-C then is an exit,
     import click
 
     from fast.load import DEVICES, EMBEDDED, POLICIES, kernels_cached, load_engine
-    from ref.common.checkpoint import load_checkpoint
     from ref.common.cli import Generation, finite, generate_session, generation_options, user_errors
     from ref.common.errors import UserError
     from ref.common.formats import FORMATS
@@ -55,7 +54,7 @@ def main(gen: Generation, threads, type_, device, vram_budget, placement, policy
     if predictors is None and not dense:  # a folder's predictors.safetensors, a PowerInfer file's own
         if model_dir.is_dir() and (model_dir / "predictors.safetensors").is_file():
             predictors = model_dir / "predictors.safetensors"
-        elif model_dir.is_file() and load_checkpoint(model_dir).predictors is not None:
+        elif model_dir.is_file():  # a GGUF: sparse where it is PowerInfer's, with its predictors
             predictors = EMBEDDED
     if not kernels_cached():
         click.echo("compiling kernels (the first run only, about 20 s)...", err=True)
@@ -66,7 +65,7 @@ def main(gen: Generation, threads, type_, device, vram_budget, placement, policy
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     source = f"{model_dir}'s own" if predictors == EMBEDDED else predictors
-    mode = f"sparse ({source}, threshold {engine.selector.threshold})" if predictors else "dense"
+    mode = f"sparse ({source}, threshold {engine.selector.threshold})" if engine.selector.predicts else "dense"
     threads_line = f"{engine.threads} thread{'s' if engine.threads > 1 else ''}"
     about = (f"; {threads_line}; weights {engine.format.name}; FFN {mode}; "
              f"kernels ready in {engine.compile_seconds:.2f} s")
@@ -75,7 +74,7 @@ def main(gen: Generation, threads, type_, device, vram_budget, placement, policy
         json_file.write_text(json.dumps({
             "load_seconds": load_seconds, "compile_seconds": engine.compile_seconds, "threads": engine.threads,
             "type": engine.format.name,
-            "sparse": bool(predictors), "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
+            "sparse": engine.selector.predicts, "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
             "eval_tokens": timings.eval_tokens, "eval_seconds": timings.eval_seconds,
             "eval_tok_s": timings.eval_tokens / timings.eval_seconds if timings.eval_seconds else 0.0,
             "generated": len(out), "stop": timings.stop}, indent=2) + "\n")

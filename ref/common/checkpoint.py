@@ -12,5 +12,5 @@ def load_checkpoint(path: str | Path) -> Weights:
     """The checked weights by our names, with their config; a PowerInfer file's predictors as `predictors`."""
     if is_gguf(path):
         ck = read_gguf(path)
-        return Weights(ck.config, ck.tensors, ck.predictors)
+        return Weights(ck.config, ck.tensors, ck.predictors, Path(path))
     return Weights.load(path, ModelConfig.from_hf(path))

@@ -34,10 +34,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 class Weights:
     """The checked tensors of one checkpoint, by our names, memory-mapped in their stored dtype."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], predictors=None):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], predictors=None, source: Path | None = None):
         self.config = cfg
         self.tensors = tensors
         self.predictors = predictors  # a PowerInfer file's own (ref.common.artifacts.Predictors), else None
+        self.source = source  # the folder or file they were read from, for messages
 
     def __getitem__(self, name: str):
         return self.tensors[name]
@@ -74,4 +75,4 @@ class Weights:
             if tuple(found[hf].shape) != shapes[ours]:
                 raise UserError(f"{where[hf]}: tensor {hf} has shape {tuple(found[hf].shape)}, config.json implies {shapes[ours]}")
             tensors[ours] = found[hf]
-        return Weights(cfg, tensors)
+        return Weights(cfg, tensors, source=model_dir)

@@ -313,3 +313,12 @@ def test_a_quantized_llama_cpp_layout_is_refused_by_fast_with_the_way_out(files)
     """llama.cpp's quantized ffn_down runs its blocks along F; fast's bundles need them along D (ffn_down_t)."""
     with pytest.raises(UserError, match="quantized along the FFN dimension .* python -m fast.convert"):
         Engine.load(files["dense"])
+
+
+def test_a_llama_cpp_float_file_runs_dense_without_flags(tmp_path):
+    """A GGUF without predictors (llama.cpp's layout) runs dense by default; the checkpoint is read once."""
+    r = convert(SHIPPED, "-o", tmp_path / "f16.gguf", "--type", "f16", "--dense")
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "fast.run", tmp_path / "f16.gguf", "-p", "once upon a time", "-n", "4",
+                        "--temp", "0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and "weights f16; FFN dense" in r.stderr, r.stderr
