@@ -316,7 +316,7 @@ def test_a_quantized_llama_cpp_layout_is_refused_by_fast_with_the_way_out(files)
 
 
 def test_a_llama_cpp_float_file_runs_dense_without_flags(tmp_path):
-    """A GGUF without predictors (llama.cpp's layout) runs dense by default; the checkpoint is read once."""
+    """A GGUF without predictors (llama.cpp's layout) runs dense by default."""
     r = convert(SHIPPED, "-o", tmp_path / "f16.gguf", "--type", "f16", "--dense")
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-m", "fast.run", tmp_path / "f16.gguf", "-p", "once upon a time", "-n", "4",
