@@ -100,6 +100,13 @@ def load_activations(path: str | Path, n_layers: int | None = None, d_ffn: int |
     return counts, tokens, meta
 
 
+def check_predictor_shapes(path, cfg, l: int, fc1, fc2) -> None:
+    """Layer l's predictor must be fc1 [R, D], fc2 [F, R] for the model (in a safetensors or a GGUF file)."""
+    if len(fc1.shape) != 2 or fc1.shape[1] != cfg.d_model or tuple(fc2.shape) != (cfg.d_ffn, fc1.shape[0]):
+        raise UserError(f"{path}: layer {l} predictor has fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)}; "
+                        f"the model needs fc1 [R, {cfg.d_model}], fc2 [{cfg.d_ffn}, R]")
+
+
 class Predictors:
     """Per-layer predictor weights (fc1 [R_l, D], fc2 [F, R_l]; float32 as trained and saved, or stored in another
     format by ref.quant.quantize_predictors) and the threshold, checked against a model."""
@@ -124,9 +131,7 @@ class Predictors:
         fc1, fc2 = [], []
         for l in range(cfg.n_layers):
             a, b = tensors[f"layers.{l}.fc1.weight"], tensors[f"layers.{l}.fc2.weight"]
-            if len(a.shape) != 2 or a.shape[1] != cfg.d_model or tuple(b.shape) != (cfg.d_ffn, a.shape[0]):
-                raise UserError(f"{path}: layer {l} predictor has fc1 {tuple(a.shape)}, fc2 {tuple(b.shape)}; "
-                                f"the model needs fc1 [R, {cfg.d_model}], fc2 [{cfg.d_ffn}, R]")
+            check_predictor_shapes(path, cfg, l, a, b)
             fc1.append(upcast(a))
             fc2.append(upcast(b))
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ref.common.artifacts import Predictors
+from ref.common.artifacts import Predictors, check_predictor_shapes
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
@@ -196,9 +196,7 @@ def read_predictors(path: Path, cfg: ModelConfig, found: dict, meta: Metadata, u
     fc1, fc2 = [], []
     for l, (a, b) in enumerate(names):
         x, y = stored(path, found[a]), stored(path, found[b])
-        if len(x.shape) != 2 or x.shape[1] != cfg.d_model or tuple(y.shape) != (cfg.d_ffn, x.shape[0]):
-            raise UserError(f"{path}: layer {l} predictor has fc1 {tuple(x.shape)}, fc2 {tuple(y.shape)}; "
-                            f"the model needs fc1 [R, {cfg.d_model}], fc2 [{cfg.d_ffn}, R]")
+        check_predictor_shapes(path, cfg, l, x, y)
         fc1.append(x)
         fc2.append(y)
         used.update((a, b))
