@@ -32,6 +32,16 @@ GROUP = 64  # neurons per ILP group
 EMBEDDED = "embedded"  # predictors=EMBEDDED: the checkpoint's own where it has them (a PowerInfer file), else dense
 
 
+def default_predictors(path: Path, predictors, dense: bool):
+    """The predictors a CLI runs: those given; with none given and not --dense, a folder's predictors.safetensors or
+    a GGUF file's own (EMBEDDED: PowerInfer's files have them, llama.cpp's run dense); None for dense."""
+    if predictors is not None or dense:
+        return predictors
+    if path.is_dir():
+        return path / "predictors.safetensors" if (path / "predictors.safetensors").is_file() else None
+    return EMBEDDED
+
+
 def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
                 threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
                 type_: str | None = None, predictor_type: str | None = None) -> Decoder:

@@ -14,9 +14,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from fast.load import EMBEDDED, load_engine
+from fast.load import default_predictors, load_engine
 from ref.common.checkpoint import load_checkpoint
-from ref.common.cli import DEFAULT_MODEL, check_model_dir, user_errors
+from ref.common.cli import resolve_model, user_errors
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.tokenizer import load_tokenizer
@@ -62,10 +62,7 @@ def estimate(nll: np.ndarray) -> tuple[float, float]:
 @user_errors
 def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predictors, predictor_type):
     """Perplexity of MODEL_DIR (default: the shipped model) on a text file, scored as llama-perplexity scores it."""
-    if model_dir is not None and model is not None and model_dir != model:
-        raise UserError(f"MODEL_DIR {model_dir} and -m/--model {model} name two models")
-    path = model_dir or model or DEFAULT_MODEL
-    check_model_dir(path, gguf=True)
+    path = resolve_model(model_dir, model)
     if dense and predictors is not None:
         raise UserError("--dense and --predictors contradict each other")
     if not text_file.is_file():
@@ -73,11 +70,7 @@ def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predic
     w = load_checkpoint(path)
     if not 2 <= ctx <= w.config.max_seq_len:
         raise UserError(f"-c/--ctx-size must be in [2, {w.config.max_seq_len}] (the model's context), got {ctx}")
-    if predictors is None and not dense:
-        if path.is_dir() and (path / "predictors.safetensors").is_file():
-            predictors = path / "predictors.safetensors"
-        elif path.is_file():  # a GGUF: sparse where it is PowerInfer's, with its predictors
-            predictors = EMBEDDED
+    predictors = default_predictors(path, predictors, dense)
     tok = load_tokenizer(path)
     tokens = np.asarray([i for ids, _ in corpus_tokens(tok, text_file) for i in ids], dtype=np.int64)
     if len(tokens) < 2 * ctx:

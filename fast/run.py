@@ -8,7 +8,7 @@ from pathlib import Path
 try:  # numba and the kernels take a second to import: a Ctrl-C then is an exit, not a traceback
     import click
 
-    from fast.load import DEVICES, EMBEDDED, POLICIES, kernels_cached, load_engine
+    from fast.load import DEVICES, EMBEDDED, POLICIES, default_predictors, kernels_cached, load_engine
     from ref.common.cli import Generation, finite, generate_session, generation_options, user_errors
     from ref.common.errors import UserError
     from ref.common.formats import FORMATS
@@ -51,11 +51,7 @@ def main(gen: Generation, threads, type_, device, vram_budget, placement, policy
     finite(predictor_threshold, "--predictor-threshold")
     if dense and (predictor_threshold is not None or predictor_type is not None):
         raise UserError(f"--dense runs no predictors: {'--predictor-threshold' if predictor_threshold is not None else '--predictor-type'} has nothing to act on")
-    if predictors is None and not dense:  # a folder's predictors.safetensors, a PowerInfer file's own
-        if model_dir.is_dir() and (model_dir / "predictors.safetensors").is_file():
-            predictors = model_dir / "predictors.safetensors"
-        elif model_dir.is_file():  # a GGUF: sparse where it is PowerInfer's, with its predictors
-            predictors = EMBEDDED
+    predictors = default_predictors(model_dir, predictors, dense)
     if not kernels_cached():
         click.echo("compiling kernels (the first run only, about 20 s)...", err=True)
     t0 = time.perf_counter()

@@ -46,13 +46,7 @@ class Generation:
             raise UserError(f"-s/--seed must be >= 0, or -1 (random), got {self.seed}")
         if self.batch_size < 1:
             raise UserError(f"-b/--batch-size must be >= 1, got {self.batch_size}")
-        if self.model_dir is not None and self.model is not None and self.model_dir != self.model:
-            raise UserError(f"MODEL_DIR {self.model_dir} and -m/--model {self.model} name two models")
-        self.model_dir = self.model_dir or self.model or DEFAULT_MODEL
-        if self.model_dir == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
-            raise UserError(f"no MODEL_DIR given, and the shipped model is not at {DEFAULT_MODEL} (an editable install, "
-                            "pip install -e ., keeps data/ beside the code): pass MODEL_DIR or -m")
-        check_model_dir(self.model_dir, gguf=True)
+        self.model_dir = resolve_model(self.model_dir, self.model)
         if self.prompt is not None and self.prompt_file is not None:
             raise UserError("-p/--prompt and -f/--file both give a prompt: pass one")
         if self.prompt_file is not None:
@@ -140,6 +134,19 @@ def user_errors(f):
             click.echo("\ninterrupted", err=True)
             sys.exit(130)
     return wrapper
+
+
+def resolve_model(model_dir: Path | None, model: Path | None) -> Path:
+    """The model a command runs: MODEL_DIR or -m (not two different ones), else the shipped model; checked to be
+    a folder or a GGUF file."""
+    if model_dir is not None and model is not None and model_dir != model:
+        raise UserError(f"MODEL_DIR {model_dir} and -m/--model {model} name two models")
+    path = model_dir or model or DEFAULT_MODEL
+    if path == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
+        raise UserError(f"no MODEL_DIR given, and the shipped model is not at {DEFAULT_MODEL} (an editable install, "
+                        "pip install -e ., keeps data/ beside the code): pass MODEL_DIR or -m")
+    check_model_dir(path, gguf=True)
+    return path
 
 
 def check_model_dir(path: Path, gguf: bool = False) -> None:
