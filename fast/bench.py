@@ -47,9 +47,10 @@ def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
 
 class SyntheticSelector(Selector):
     """The engines run its real-size predictor (their cost is real); its pick is an active set drawn from a power-law
-    neuron frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1."""
+    neuron frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1. Each call draws the
+    next of `pool` pre-drawn sets of the layer, so the tokens of a batch get different sets."""
 
-    def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, seed: int = 0, pool: int = 32,
+    def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, seed: int = 0, pool: int = 128,
                  alpha: float = 1.0):
         super().__init__(cfg.d_ffn, pred, 0.0)
         rng = np.random.default_rng(seed)
@@ -64,17 +65,21 @@ class SyntheticSelector(Selector):
         # Per layer a fixed permutation decides which neurons are hot; each token draws neuron i with p[perm[i]].
         self.sets = [[np.flatnonzero(rng.random(F) < p[perm]).astype(np.int32) for _ in range(pool)]
                      for perm in (rng.permutation(F) for _ in range(cfg.n_layers))]
-        self.step = 0
+        self.calls = [0] * cfg.n_layers
 
     def pick(self, l: int, logits: np.ndarray) -> np.ndarray:
         """The next pre-drawn active set of layer l, whatever the predictor said."""
-        s = self.sets[l][self.step % len(self.sets[l])]
-        if l == len(self.sets) - 1:
-            self.step += 1
-        return s
+        self.calls[l] += 1
+        return self.sets[l][self.calls[l] % len(self.sets[l])]
 
     def mean_active(self) -> float:
         return float(np.mean([len(s) for layer in self.sets for s in layer]))
+
+    def mean_union(self, n: int) -> float:
+        """Mean size of the union of n consecutive sets of a layer: the neurons a batch of n tokens reads."""
+        sizes = [len(np.unique(np.concatenate([layer[(i + k) % len(layer)] for k in range(n)])))
+                 for layer in self.sets for i in range(0, len(layer), n)]
+        return float(np.mean(sizes))
 
 
 def synthetic_predictors(cfg: ModelConfig, R: int, seed: int = 0) -> Predictors:
@@ -173,6 +178,22 @@ def prefill_rounds(engine: Engine, selectors: dict, n: int, runs: int, peer=None
             t0 = time.perf_counter()
             peer.prefill(tokens)
             out[peer.name].append(time.perf_counter() - t0)
+    return {name: seconds[1:] for name, seconds in out.items()}
+
+
+def sequence_rounds(engine: Engine, selectors: dict, B: int, tokens: int, runs: int) -> dict:
+    """Seconds of `tokens` steps of B sequences decoding together (one token each per step, one forward), per
+    selector, the runs interleaved; each sequence starts from a one-token prompt."""
+    out = {name: [] for name in selectors}
+    V = engine.config.vocab_size
+    for r in range(runs + 1):  # the first round compiles
+        for name, selector in selectors.items():
+            engine.selector, cache = selector, engine.new_cache(tokens + 1, slots=B)
+            engine.forward(Batch.of([(s, [1 + s]) for s in range(B)], cache), cache)
+            t0 = time.perf_counter()
+            for i in range(tokens):
+                engine.forward(Batch.of([(s, [(7 * i + 13 * s + r) % V]) for s in range(B)], cache), cache)
+            out[name].append(time.perf_counter() - t0)
     return {name: seconds[1:] for name, seconds in out.items()}
 
 

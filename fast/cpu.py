@@ -301,9 +301,9 @@ def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
 
 @njit(cache=True)
 def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):
-    """out = wo . attention(rope(q), rope(k), v), [q; k; v] = wqkv . rmsnorm(h); this step's keys and values are
-    written to the caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D]; wo: [D, H E];
-    k_cache, v_cache: [capacity, K, E].
+    """out = wo . attention(rope(q), rope(k), v), [q; k; v] = wqkv . rmsnorm(h), for one sequence's run; this step's
+    keys and values are written to its caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D];
+    wo: [D, H E]; k_cache, v_cache: [room, K, E].
 
     One compiled call per layer instead of six calls from Python and the numpy glue between them: once a token's
     weights have streamed through the caches, every Python-side step runs from memory (an empty parallel kernel
@@ -311,19 +311,36 @@ def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos
     0.28 ms per TinyLlama token, sparse tokens 0.5 to 1.4 % faster."""
     T = h.shape[0]
     K, E = k_cache.shape[1], k_cache.shape[2]
-    H = wqkv.shape[0] // E - 2 * K  # wqkv rows are whole; the columns of a block format are blocks
+    qkv = np.empty((T, wqkv.shape[0]), np.float32)
+    qkv_proj(qkv, h, attn_norm, wqkv, eps)
+    att = np.empty((T, qkv.shape[1] - 2 * K * E), np.float32)  # [T, H E]
+    self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0)
+    matmul(out, att, wo)
+
+
+@njit(cache=True)
+def qkv_proj(qkv, h, attn_norm, wqkv, eps):
+    """qkv = wqkv . rmsnorm(h), every token's row read once.  qkv: [T, (H + 2K) E]; h: [T, D]."""
     x = np.empty_like(h)
     rmsnorm(x, h, attn_norm, eps)
-    qkv = np.empty((T, (H + 2 * K) * E), np.float32)
     matmul(qkv, x, wqkv)
+
+
+@njit(cache=True)
+def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
+    """att = attention(rope(q), rope(k), v) of one sequence's run at positions pos0..pos0+T-1, its keys and values
+    appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache: [room, K, E]."""
+    T = qkv.shape[0]
+    K, E = k_cache.shape[1], k_cache.shape[2]
+    H = qkv.shape[1] // E - 2 * K
     q = np.ascontiguousarray(qkv[:, : H * E]).reshape((T, H, E))  # [T, H, E]
     k = np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape((T, K, E))  # [T, K, E]
     rope(q, q, cos, sin, pos0)
     rope(k_cache[pos0:pos0 + T], k, cos, sin, pos0)
     v_cache[pos0:pos0 + T] = np.ascontiguousarray(qkv[:, (H + K) * E:]).reshape((T, K, E))
-    att = np.empty((T, H, E), np.float32)
-    attention(att, q, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, np.empty((T * H, pos0 + T), np.float32))
-    matmul(out, att.reshape((T, H * E)), wo)
+    out = np.empty((T, H, E), np.float32)
+    attention(out, q, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, np.empty((T * H, pos0 + T), np.float32))
+    att[:] = out.reshape((T, H * E))
 
 
 @njit(cache=True)
@@ -342,13 +359,14 @@ def relu_(x):
 
 @njit(cache=True)
 def predictor(out, hidden, h, fc1, fc2):
-    """out = fc2 . relu(fc1 . h), two matmuls.  out: [F]; hidden: [R] scratch; h: [D]; fc1: [R, D]; fc2: [F, R].
+    """out = fc2 . relu(fc1 . h) per token, two matmuls (each weight row read once for all T tokens).
+    out: [T, F]; hidden: [T, R] scratch; h: [T, D]; fc1: [R, D]; fc2: [F, R].
 
     fc2 is read whole: trained predictors keep about 96 % of hidden units live (the shipped model's, weighted by
     size), and skipping the dead ones' rows of a transposed fc2 streamed 15 % slower than this matmul saves."""
-    matmul(hidden.reshape((1, hidden.size)), h.reshape((1, h.size)), fc1)
+    matmul(hidden, h, fc1)
     relu_(hidden)
-    matmul(out.reshape((1, out.size)), hidden.reshape((1, hidden.size)), fc2)
+    matmul(out, hidden, fc2)
 
 
 @njit(cache=True)

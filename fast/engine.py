@@ -21,7 +21,7 @@ import numpy as np
 from fast import cpu
 from ref import sparse
 from ref.common.artifacts import Predictors
-from ref.common.batch import Batch, KVCache, check_batch
+from ref.common.batch import Batch, KVCache, advance, check_batch
 from ref.common.checkpoint import load_checkpoint
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
@@ -173,21 +173,51 @@ class Engine(Decoder):
         sel = self.selector
         if not sel.predicts:
             return sel.pick(l, None)
-        cpu.predictor(sel.logits, sel.hidden[: sel.fc1[l].shape[0]], h, sel.fc1[l], sel.fc2[l])
+        cpu.predictor(sel.logits.reshape(1, -1), sel.hidden[: sel.fc1[l].shape[0]].reshape(1, -1), h.reshape(1, -1),
+                      sel.fc1[l], sel.fc2[l])
         return sel.pick(l, sel.logits)
 
+    def active_sets(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Layer l's sets for T tokens h [T, D] as their union (sorted ids [U]) and which token computes which union
+        neuron (mask [T, max(U, 1)] uint8); the predictor reads its weights once for all T."""
+        sel, T, F = self.selector, h.shape[0], self.config.d_ffn
+        if sel.predicts:
+            logits = np.empty((T, F), F32)
+            cpu.predictor(logits, np.empty((T, sel.fc1[l].shape[0]), F32), h, sel.fc1[l], sel.fc2[l])
+        picked = np.zeros((T, F), np.uint8)  # [T, F]: token t computes neuron i
+        for t in range(T):
+            picked[t, sel.pick(l, logits[t] if sel.predicts else None)] = 1
+        union = np.flatnonzero(picked.any(axis=0)).astype(np.int32)
+        return union, (np.ascontiguousarray(picked[:, union]) if len(union) else np.zeros((T, 1), np.uint8))
+
     def attention_block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Pre-norm self-attention with RoPE; appends this step's keys and values to the cache.  h: [T, D]."""
-        L, out, seq = self.layers[l], np.empty_like(h), batch.seqs[0]
-        cpu.attention_block(out, h, L.attn_norm, L.wqkv, L.wo, cache.k[l][seq], cache.v[l][seq], self.cos, self.sin,
-                            batch.positions[0], self.config.rms_norm_eps)
+        """Pre-norm self-attention with RoPE, each sequence's run attending to its own slot, to which it appends its
+        keys and values.  h: [T, D].
+
+        One sequence: one compiled call. Several: the projections read each weight row once for all of them, the
+        attention runs per sequence."""
+        L, out, runs, eps = self.layers[l], np.empty_like(h), batch.runs(), self.config.rms_norm_eps
+        if len(runs) == 1:
+            seq = runs[0][0]
+            cpu.attention_block(out, h, L.attn_norm, L.wqkv, L.wo, cache.k[l][seq], cache.v[l][seq], self.cos,
+                                self.sin, batch.positions[0], eps)
+            return out
+        c = self.config
+        qkv = np.empty((h.shape[0], (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
+        cpu.qkv_proj(qkv, h, L.attn_norm, L.wqkv, eps)
+        att = np.empty((h.shape[0], c.n_heads * c.head_dim), F32)  # [T, H E]
+        for seq, a, b in runs:
+            cpu.self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq], self.cos, self.sin,
+                               batch.positions[a])
+        cpu.matmul(out, att, L.wo)
         return out
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
-        """y = sum over the active set of a_i Wd[:, i], the set chosen per token by `active_set`.  h: [T, D].
+        """y = sum over the active set of a_i Wd[:, i], the set chosen per token by the selector.  h: [T, D].
 
-        One token: the fused decode kernel. Several (a prompt): per chunk of FFN_CHUNK tokens, each neuron of the
-        union of their sets read once for all of them, each token computing only its own (`sparse_ffn_batch`)."""
+        One token: the fused decode kernel. Several (a prompt, or one token of each of several sequences): per chunk
+        of FFN_CHUNK tokens, each neuron of the union of their sets read once for all of them, each token computing
+        only its own (`sparse_ffn_batch`)."""
         L, y, T = self.layers[l], np.empty_like(h), h.shape[0]
         if T == 1:
             active = self.active_set(l, h[0])
@@ -198,11 +228,7 @@ class Engine(Decoder):
         cpu.rmsnorm(x, h, L.ffn_norm, self.config.rms_norm_eps)
         for t0 in range(0, T, FFN_CHUNK):
             n = min(FFN_CHUNK, T - t0)
-            picked = np.zeros((n, self.config.d_ffn), np.uint8)  # [n, F]: token t computes neuron i
-            for t in range(n):
-                picked[t, self.active_set(l, h[t0 + t])] = 1
-            union = np.flatnonzero(picked.any(axis=0)).astype(np.int32)
-            mask = np.ascontiguousarray(picked[:, union]) if len(union) else np.zeros((n, 1), np.uint8)
+            union, mask = self.active_sets(l, h[t0:t0 + n])
             cpu.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n], L.bundle,
                                  union, len(union), mask, self.kind, self.thr)
         return y
@@ -213,13 +239,13 @@ class Engine(Decoder):
         h += self.ffn_block(l, h)
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Logits [T, V] of a batch; its sequence's cache slot grows by T."""
-        seq, _ = check_batch(batch, cache, self.config)
+        """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run."""
+        runs = check_batch(batch, cache, self.config)
         h = values(self.embed[batch.tokens])  # [T, D]
         for l in range(self.config.n_layers):
             self.block(l, h, batch, cache)
-        cache.lengths[seq] += len(batch)
-        return self.output(h)
+        advance(cache, runs)
+        return self.output(np.ascontiguousarray(h[batch.output_rows()]))
 
     def output(self, h: np.ndarray) -> np.ndarray:
         """Logits [T, V] = lm_head . rmsnorm(h)."""

@@ -309,9 +309,8 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
 def predictor(out, hidden, h, fc1, fc2):
     """Same contract as fast.cpu.predictor."""
     W1 = weight(fc1)
-    _rows_dot[W1.rows, THREADS](hidden.reshape(1, -1), input_rows(h.reshape(1, -1), W1, "pred_hq"), W1.q, W1.d, W1.kind,
-                                True)
-    matmul(out.reshape(1, -1), hidden.reshape(1, -1), fc2)
+    _rows_dot[W1.rows, THREADS](hidden, input_rows(h, W1, "pred_hq"), W1.q, W1.d, W1.kind, True)
+    matmul(out, hidden, fc2)
 
 
 def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):

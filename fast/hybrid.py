@@ -20,7 +20,7 @@ from numba import cuda
 from fast import cpu, gpu
 from fast.engine import Decoder, Engine
 from ref.common.artifacts import dense_names
-from ref.common.batch import Batch, KVCache, check_batch
+from ref.common.batch import Batch, KVCache, advance, check_batch
 from ref.common.errors import UserError
 from ref.quant import values
 
@@ -109,18 +109,25 @@ class HybridEngine(Decoder):
         def alloc(shape, dtype, l):
             zeros = np.zeros(shape, dtype)
             return zeros if self.gpu_layers[l].attention is None else cuda.to_device(zeros)
-        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, alloc)
+
+        def copy(dst, src):  # a slot growing: its keys move within the host or within the device
+            if isinstance(dst, np.ndarray):
+                dst[...] = src
+            else:
+                dst.copy_to_device(src)
+        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, alloc, copy)
 
     def cpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
         x = h.cpu()
         x += self.host.attention_block(l, x, batch, cache)
 
     def gpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
-        """ref's attention block on the GPU; the residual updated there."""
-        c, h_d, seq = self.config, h.gpu(), batch.seqs[0]
+        """ref's attention block on the GPU, a sequence's run at a time; the residual updated there."""
+        c, h_d = self.config, h.gpu()
         o = gpu.scratch("attn_out", h_d.shape)
-        gpu.attention_block(o, h_d, *self.gpu_layers[l].attention, cache.k[l][seq], cache.v[l][seq], self.cos_d,
-                            self.sin_d, batch.positions[0], c.rms_norm_eps)
+        for seq, a, b in batch.runs():
+            gpu.attention_block(o[a:b], h_d[a:b], *self.gpu_layers[l].attention, cache.k[l][seq], cache.v[l][seq],
+                                self.cos_d, self.sin_d, batch.positions[a], c.rms_norm_eps)
         gpu.add(h_d, o)
 
     def cpu_ffn(self, l: int, h: Residual) -> None:
@@ -144,9 +151,9 @@ class HybridEngine(Decoder):
         if G.predictor is None:
             return self.host.active_set(l, h.a[t])
         fc1, fc2 = G.predictor
-        logits, hidden = gpu.scratch("pred_logits", self.config.d_ffn), gpu.scratch("pred_hidden", fc1.rows)
-        gpu.predictor(logits, hidden, h.a[t], fc1, fc2)
-        return sel.pick(l, logits.copy_to_host(sel.logits))
+        logits, hidden = gpu.scratch("pred_logits", (1, self.config.d_ffn)), gpu.scratch("pred_hidden", (1, fc1.rows))
+        gpu.predictor(logits, hidden, h.a[t:t + 1], fc1, fc2)
+        return sel.pick(l, logits[0].copy_to_host(sel.logits))
 
     def split(self, G: GpuLayer, active: np.ndarray) -> tuple[object, int, np.ndarray]:
         """A token's active set as (rows of G.bundle on the device, their count, the CPU's neuron ids)."""
@@ -201,13 +208,17 @@ class HybridEngine(Decoder):
                     h.a[t] += self.y_cpu[0]
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Logits [T, V]; each block runs where the placement put it, the residual following."""
-        seq, _ = check_batch(batch, cache, self.config)
+        """Logits [N, V] of the batch's output rows; each block runs where the placement put it, the residual
+        following."""
+        runs = check_batch(batch, cache, self.config)
         h = Residual(values(self.host.embed[batch.tokens]))  # [T, D]
         for l in range(self.config.n_layers):
             self.attention[l](l, h, batch, cache)
             self.ffn[l](l, h)
-        cache.lengths[seq] += len(batch)
+        advance(cache, runs)
+        rows = batch.output_rows()
+        if len(rows) < len(batch):
+            h = Residual(np.ascontiguousarray(h.cpu()[rows]))
         return self.output(h)
 
     def cpu_output(self, h: Residual) -> np.ndarray:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ref.common.batch import Batch, KVCache, check_batch
+from ref.common.batch import Batch, KVCache, advance, check_batch
 from ref.common.checkpoint import load_checkpoint
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
@@ -119,13 +119,13 @@ class Model:
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype, slots)
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Logits [T, V] of a batch; its sequence's cache slot grows by T."""
-        seq, _ = check_batch(batch, cache, self.config)
+        """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run."""
+        runs = check_batch(batch, cache, self.config)
         h = upcast(self.weights["embed"][batch.tokens], self.dtype)  # [T, D]
         for l in range(self.config.n_layers):
             h = self.block(l, h, batch, cache)
-        cache.lengths[seq] += len(batch)
-        return self.output(h)
+        advance(cache, runs)
+        return self.output(h[batch.output_rows()])
 
     def logits(self, ids) -> np.ndarray:
         """Float32 logits [T, V] for a whole sequence from a fresh cache."""
@@ -143,17 +143,20 @@ class Llama(Model):
         return h + self.ffn_block(l, h)
 
     def attention_block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Pre-norm self-attention with RoPE, appending this step's keys and values to the cache.  h: [T, D]."""
-        c, p = self.config, f"layers.{l}."
-        T, seq, s0 = h.shape[0], batch.seqs[0], batch.positions[0]
+        """Pre-norm self-attention with RoPE, each sequence's run attending to its own slot, to which it appends its
+        keys and values.  h: [T, D]."""
+        c, p, T = self.config, f"layers.{l}.", h.shape[0]
         x = rmsnorm(h, self.w(p + "attn_norm"), c.rms_norm_eps)  # [T, D]
         q = self.linear(x, p + "wq").reshape(T, c.n_heads, c.head_dim)  # [T, H, E]
         k = self.linear(x, p + "wk").reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
         v = self.linear(x, p + "wv").reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
         q, k = rope(q, batch.positions, c.rope_theta), rope(k, batch.positions, c.rope_theta)
-        keys, values = cache.k[l][seq], cache.v[l][seq]  # [capacity, K, E]
-        keys[s0:s0 + T], values[s0:s0 + T] = k, v
-        att = attention(q, keys[:s0 + T], values[:s0 + T], batch.positions)  # [T, H, E]
+        att = np.empty_like(q)  # [T, H, E]
+        for seq, a, b in batch.runs():
+            s0, s1 = batch.positions[a], batch.positions[a] + b - a
+            keys, values = cache.k[l][seq], cache.v[l][seq]  # [room, K, E]
+            keys[s0:s1], values[s0:s1] = k[a:b], v[a:b]
+            att[a:b] = attention(q[a:b], keys[:s1], values[:s1], batch.positions[a:b])
         return self.linear(att.reshape(T, -1), p + "wo")  # [T, D]
 
     def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -81,10 +81,11 @@ class SparseFFN:
         m, c, p = self.model, self.model.config, f"layers.{l}."
         x = rmsnorm(h, m.w(p + "ffn_norm"), c.rms_norm_eps)  # [T, D]
         wg, wu, wd = m.w(p + "wg"), m.w(p + "wu"), m.w(p + "wd")  # upcast once per block, as the dense block does
+        xr = input_values(x, m.weights[p + "wg"])  # [T, D] x as the stored gate and up matrices read it
         y = np.empty_like(x)  # [T, D]
         for t in range(x.shape[0]):
             active = self.choose(l, h[t], x[t], wg, wu)
-            y[t] = sparse_ffn(x[t], wg, wu, wd, active, c.ffn_kind, c.act_threshold, m.dtype)
+            y[t] = sparse_ffn(xr[t], wg, wu, wd, active, c.ffn_kind, c.act_threshold, m.dtype)
         return y
 
 

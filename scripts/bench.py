@@ -16,7 +16,7 @@ import numpy as np
 
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
                         overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
-                        synthetic_predictors)
+                        sequence_rounds, synthetic_predictors)
 from fast.engine import Selector, convert
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
@@ -40,21 +40,39 @@ from ref.quant import predictor_format, quantize_predictors
 @click.option("--probe-gib", type=float, default=1.0, show_default=True, help="Size of one read-bandwidth probe pass.")
 @click.option("--pp", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also time an N-token prompt (prefill), dense and sparse (0: no).")
+@click.option("--sequences", default="", show_default=False, metavar="B[,B...]",
+              help="Also time B sequences decoding together, one forward per step, and B = 1 the same way (comma-separated: a "
+                   "curve).")
 @click.option("--peer", "with_peer", is_flag=True,
               help="Also time llama.cpp (llama-cpp-python, the 'peer' extra) on a random GGUF of the same shape and format.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, with_peer, json_file):
+def main(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
+         json_file):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
     with busy_cores(busy):
-        run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, with_peer, json_file)
+        run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences,
+            with_peer, json_file)
 
 
-def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, with_peer, json_file):
+def parse_sequences(text: str) -> list[int]:
+    try:
+        bs = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        bs = [0]
+    if any(b < 1 for b in bs):
+        raise click.UsageError(f"--sequences must be positive integers, comma-separated, got {text!r}")
+    return bs
+
+
+def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
+        json_file):
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
     if runs < 1 or tokens < 1:
         raise click.UsageError("--runs and --tokens must be >= 1")
+    batches = parse_sequences(sequences)
+    batches = sorted({1, *batches}) if batches else []  # B = 1 timed the same way: the scaling's denominator
     cfg = shape_config(shape, layers)
     engine = convert(random_engine(cfg, threads), FORMATS[type_])
     R = predictor_size(cfg)
@@ -69,6 +87,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
             peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, max(tokens, pp) + 2)
         rounds = [bracketed_decode(engine, selectors, probe, tokens, r, peer) for r in range(runs + 1)][1:]  # round 0 compiles
         prefill = prefill_rounds(engine, selectors, pp, runs, peer) if pp else {}
+    together = {B: sequence_rounds(engine, selectors, B, tokens, runs) for B in batches}
     names = [*selectors, *([LlamaCpp.name] if peer else [])]
     nbytes = {"dense": bytes_per_token(engine, cfg.d_ffn, selectors["dense"]),
               "sparse": bytes_per_token(engine, selectors["sparse"].mean_active(), selectors["sparse"])}
@@ -95,6 +114,15 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
            "overhead_ms_per_token": overhead * 1e3, "overhead_share_sparse": overhead * results["sparse"]["tok_s"]}
     if pp:  # t/s: median of the runs
         out["pp"] = {"tokens": pp, **{f"{name}_tok_s": pp / float(np.median(t)) for name, t in prefill.items()}}
+    curve = []
+    agg = {B: {name: B * tokens / float(np.median(t)) for name, t in secs.items()} for B, secs in together.items()}
+    for B in together:  # t/s: median of the runs; scaling against B = 1 timed the same way
+        curve.append({"B": B, "tok_s": agg[B]["sparse"], "per_sequence_tok_s": agg[B]["sparse"] / B,
+                      "scaling": agg[B]["sparse"] / agg[1]["sparse"], "union_neurons": selectors["sparse"].mean_union(B),
+                      "dense": {"tok_s": agg[B]["dense"], "per_sequence_tok_s": agg[B]["dense"] / B,
+                                "scaling": agg[B]["dense"] / agg[1]["dense"]}})
+    if curve:  # the issue's single record when one B was asked for, else the curve
+        out["sequences"] = curve[-1] if len(curve) == 2 else curve
     if peer:  # step by step, as sparse/dense
         out["ratio_vs_llama_cpp"] = {name: float(np.median(seconds[LlamaCpp.name] / seconds[name])) for name in selectors}
     size_gib = nbytes["dense"] / 2**30
@@ -113,6 +141,15 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         backend = "llama.cpp cpu dense" if name == LlamaCpp.name else f"numba-cpu {name}"
         click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | {backend} | "
                    f"{engine.threads} | pp{pp} | {pp / np.median(t):.2f} ± {np.std(pp / np.asarray(t)):.2f} | | |")
+    for c in curve:
+        for name in selectors:
+            r = c if name == "sparse" else c[name]
+            click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | "
+                       f"numba-cpu {name} | {engine.threads} | tg{tokens} x{c['B']} | {r['tok_s']:.2f} | | |")
+    for c in curve:
+        click.echo(f"{c['B']} sequences together: sparse {c['tok_s']:.2f} tok/s = {c['scaling']:.2f}x one sequence "
+                   f"({c['per_sequence_tok_s']:.2f} each; union of their sets {c['union_neurons']:.0f} of {cfg.d_ffn} "
+                   f"neurons), dense {c['dense']['tok_s']:.2f} tok/s = {c['dense']['scaling']:.2f}x")
     click.echo(f"sparse/dense: {out['ratio_sparse_dense']:.2f}x (median of step-by-step token-time ratios; "
                f"{out['ratio_by_bus']['faster']:.2f}x on the steps with the faster half of probe passes, "
                f"{out['ratio_by_bus']['slower']:.2f}x on the slower half) at {sparsity:.0%} predicted "

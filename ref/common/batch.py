@@ -1,9 +1,12 @@
 """What a forward step reads and writes besides the weights: a batch of tokens, each tagged with its sequence and
 position, and the KV cache whose slots hold the sequences.
 
-Every engine's `forward(batch, cache)` takes these. Today a batch holds one sequence continuing its cached positions
-(`Batch.single`); the cache already has a slot per sequence and a length per slot.
-Dimensions: N batch tokens, L layers, C capacity per slot, K key-value heads, E head dim.
+Every engine's `forward(batch, cache)` takes these. A batch is one or more runs, each a sequence's next tokens in
+position order continuing what its slot holds (a prompt chunk, or one decode token), in consecutive rows; each
+sequence is computed as if it were alone. A slot's arrays grow with what it holds (doubling, up to the capacity),
+so the cache's memory follows the tokens the sequences hold, not slots x context.
+Dimensions: N batch tokens, L layers, C capacity per slot (the context size), R a slot's room, K key-value heads,
+E head dim.
 """
 
 from dataclasses import dataclass
@@ -13,65 +16,166 @@ import numpy as np
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 
-
-@dataclass
-class KVCache:
-    """Keys and values per layer, each [slots, capacity, K, E] (a host array, or a device array where that layer's
-    attention runs on the GPU), and each slot's length."""
-
-    k: list
-    v: list
-    lengths: np.ndarray  # [slots] int64
-
-    @staticmethod
-    def empty(cfg: ModelConfig, capacity: int, dtype, slots: int = 1, alloc=None) -> "KVCache":
-        """A cache for `slots` sequences of up to `capacity` positions; `alloc(shape, dtype, l)` places layer l's
-        arrays (default: zeroed host arrays)."""
-        alloc = alloc or host_zeros
-        shape = (slots, capacity, cfg.n_kv_heads, cfg.head_dim)
-        return KVCache([alloc(shape, dtype, l) for l in range(cfg.n_layers)],
-                       [alloc(shape, dtype, l) for l in range(cfg.n_layers)], np.zeros(slots, np.int64))
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
+MIN_ROOM = 128  # positions a slot gets when it first holds any (then doubling): small prompts do not reallocate
 
 
 def host_zeros(shape, dtype, l):
     return np.zeros(shape, dtype)
 
 
+def host_copy(dst, src):
+    dst[...] = src
+
+
+@dataclass
+class KVCache:
+    """Keys and values per layer and slot, k[l][s] and v[l][s] each [R_s, K, E] (a host array, or a device array where
+    layer l's attention runs on the GPU; None while slot s holds nothing), each slot's length and whether it is
+    allocated. `alloc(shape, dtype, l)` makes layer l's arrays and `copy(dst, src)` moves a slot's keys when it grows.
+    """
+
+    k: list
+    v: list
+    lengths: np.ndarray  # [slots] int64
+    used: np.ndarray  # [slots] bool
+    capacity: int
+    dtype: np.dtype
+    shape: tuple  # (K, E)
+    alloc: object = host_zeros
+    copy: object = host_copy
+
+    @staticmethod
+    def empty(cfg: ModelConfig, capacity: int, dtype, slots: int = 1, alloc=None, copy=None) -> "KVCache":
+        """A cache for `slots` sequences of up to `capacity` positions each, every slot allocated and empty."""
+        L = cfg.n_layers
+        return KVCache([[None] * slots for _ in range(L)], [[None] * slots for _ in range(L)],
+                       np.zeros(slots, np.int64), np.ones(slots, bool), int(capacity), np.dtype(dtype),
+                       (cfg.n_kv_heads, cfg.head_dim), alloc or host_zeros, copy or host_copy)
+
+    @property
+    def slots(self) -> int:
+        return len(self.lengths)
+
+    def allocate(self) -> int:
+        """A free slot for a new sequence (the lowest), now allocated and empty."""
+        free = np.flatnonzero(~self.used)
+        if not len(free):
+            raise UserError(f"no free cache slot (all {self.slots} hold a sequence)")
+        self.used[free[0]] = True
+        return int(free[0])
+
+    def free(self, seq: int) -> None:
+        """Forget sequence `seq` and release its slot's memory; the slot can be allocated again."""
+        self.check_slot(seq)
+        self.lengths[seq], self.used[seq] = 0, False
+        for layer in (*self.k, *self.v):
+            layer[seq] = None
+
+    def check_slot(self, seq: int) -> None:
+        if not 0 <= seq < self.slots:
+            raise UserError(f"sequence {seq} has no cache slot (the cache has {self.slots})")
+        if not self.used[seq]:
+            raise UserError(f"sequence {seq} is not allocated (its slot is free)")
+
+    def reserve(self, seq: int, n: int) -> None:
+        """Room for n positions in slot `seq`: its arrays grow (doubling, at least MIN_ROOM, at most the capacity) and
+        keep what they hold."""
+        held = self.k[0][seq]
+        room = 0 if held is None else held.shape[0]
+        if n <= room:
+            return
+        room = min(self.capacity, max(n, 2 * room, MIN_ROOM))
+        length = int(self.lengths[seq])
+        for l in range(len(self.k)):
+            for arrays in (self.k[l], self.v[l]):
+                new = self.alloc((room, *self.shape), self.dtype, l)
+                if length:
+                    self.copy(new[:length], arrays[seq][:length])
+                arrays[seq] = new
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the slots' arrays take now."""
+        return sum(a.nbytes for layer in (*self.k, *self.v) for a in layer if a is not None)
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one position takes: keys and values of every layer."""
+        return 2 * len(self.k) * int(np.prod(self.shape)) * self.dtype.itemsize
+
+
 @dataclass(frozen=True)
 class Batch:
-    """One forward step's tokens, each with its sequence (cache slot) and position."""
+    """One forward step's tokens, each with its sequence (cache slot) and position, and whether the step returns its
+    logits (llama.cpp's batch.logits; default every token)."""
 
     tokens: np.ndarray  # [N] int64
     seqs: np.ndarray  # [N] int64
     positions: np.ndarray  # [N] int64
+    logits: np.ndarray | None = None  # [N] bool, or None: every token
 
     @staticmethod
-    def single(ids, cache: KVCache, seq: int = 0) -> "Batch":
-        """`ids` continuing sequence `seq` after its cached positions (llama.cpp's llama_batch_get_one)."""
-        tokens = np.asarray(ids, dtype=np.int64).reshape(-1)
-        start = int(cache.lengths[seq])
-        return Batch(tokens, np.full(len(tokens), seq, np.int64), np.arange(start, start + len(tokens)))
+    def single(ids, cache: KVCache, seq: int = 0, last_only: bool = False) -> "Batch":
+        """`ids` continuing sequence `seq` after its cached positions (llama.cpp's llama_batch_get_one); with
+        `last_only` the step returns the last token's logits only."""
+        return Batch.of([(seq, ids)], cache, last_only)
+
+    @staticmethod
+    def of(runs, cache: KVCache, last_only: bool = False) -> "Batch":
+        """[(seq, ids), ...]: each sequence's next tokens after its cached positions, one run per sequence; with
+        `last_only` the step returns each run's last logits only."""
+        tokens, seqs, positions, logits = [], [], [], []
+        for seq, ids in runs:
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+            start = int(cache.lengths[seq]) if 0 <= seq < cache.slots else 0
+            tokens.append(ids)
+            seqs.append(np.full(len(ids), seq, np.int64))
+            positions.append(np.arange(start, start + len(ids)))
+            logits.append(np.arange(len(ids)) == len(ids) - 1 if last_only else np.ones(len(ids), bool))
+        cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
+        return Batch(cat(tokens, np.int64), cat(seqs, np.int64), cat(positions, np.int64), cat(logits, bool))
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(sequence, first row, end row) of each run of consecutive rows of one sequence."""
+        n = len(self.seqs)
+        if not n:
+            return []
+        cuts = [0, *(np.flatnonzero(self.seqs[1:] != self.seqs[:-1]) + 1).tolist(), n]
+        return [(int(self.seqs[a]), a, b) for a, b in zip(cuts, cuts[1:])]
 
-def check_batch(batch: Batch, cache: KVCache, cfg: ModelConfig) -> tuple[int, int]:
-    """(sequence, first position) of a batch that one sequence's next positions fill, checked to fit the cache and the
-    vocabulary; an engine then appends the batch to that sequence's slot."""
-    n = len(batch)
-    seq = int(batch.seqs[0]) if n else 0
-    if not 0 <= seq < len(cache.lengths):
-        raise UserError(f"sequence {seq} has no cache slot (the cache has {len(cache.lengths)})")
-    start = int(cache.lengths[seq])
-    if n and (np.any(batch.seqs != seq) or np.any(batch.positions != np.arange(start, start + n))):
-        raise UserError("a batch must continue one sequence's cached positions (one sequence per step)")
-    if start + n > cache.capacity:
-        raise UserError(f"context full: {start} + {n} tokens > context size {cache.capacity}")
+    def output_rows(self) -> np.ndarray:
+        """The rows whose logits the step returns."""
+        return np.arange(len(self)) if self.logits is None else np.flatnonzero(self.logits)
+
+
+def check_batch(batch: Batch, cache: KVCache, cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """The batch's runs (Batch.runs), checked before anything is written: each continues an allocated sequence's
+    cached positions and fits its slot, no sequence has two runs, every token is in the vocabulary. Then each slot has
+    room for its run; an engine appends the runs to their slots and calls `advance`."""
+    n, runs = len(batch), batch.runs()
+    if len(batch.seqs) != n or len(batch.positions) != n or (batch.logits is not None and len(batch.logits) != n):
+        raise UserError("a batch needs a sequence and a position for each token (and a logits flag, if any)")
+    seen = set()
+    for seq, a, b in runs:
+        cache.check_slot(seq)
+        if seq in seen:
+            raise UserError(f"sequence {seq} has two runs in one batch: a sequence's tokens must be consecutive rows")
+        seen.add(seq)
+        start = int(cache.lengths[seq])
+        if np.any(batch.positions[a:b] != np.arange(start, start + b - a)):
+            raise UserError(f"sequence {seq}: the batch's positions must continue its cached positions from {start}")
+        if start + b - a > cache.capacity:
+            raise UserError(f"context full: sequence {seq} holds {start} + {b - a} tokens > context size {cache.capacity}")
     if n and (batch.tokens.min() < 0 or batch.tokens.max() >= cfg.vocab_size):
         raise UserError(f"token id out of range [0, {cfg.vocab_size})")
-    return seq, start
+    for seq, a, b in runs:
+        cache.reserve(seq, int(cache.lengths[seq]) + b - a)
+    return runs
+
+
+def advance(cache: KVCache, runs) -> None:
+    """Each run's sequence now holds its tokens too."""
+    for seq, a, b in runs:
+        cache.lengths[seq] += b - a

@@ -122,7 +122,7 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     cache = model.new_cache(min(ctx, len(ids) + limit))
     t0 = time.perf_counter()
     for i in range(0, len(ids), batch_size):
-        logits = model.forward(Batch.single(ids[i:i + batch_size], cache), cache)[-1]  # [V]
+        logits = model.forward(Batch.single(ids[i:i + batch_size], cache, last_only=True), cache)[-1]  # [V]
     timings.prompt_tokens, timings.prompt_seconds = len(ids), time.perf_counter() - t0
     out: list[int] = []
     t0 = time.perf_counter()

@@ -120,11 +120,11 @@ def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
             want)
 
 
-def case_predictor(rng, D, R, F):
-    h, fc1, fc2 = randn(rng, D, scale=2), randn(rng, R, D), randn(rng, F, R)
-    out, hidden = np.empty(F, F32), np.empty(R, F32)
+def case_predictor(rng, T, D, R, F):
+    h, fc1, fc2 = randn(rng, T, D, scale=2), randn(rng, R, D), randn(rng, F, R)
+    out, hidden = np.empty((T, F), F32), np.empty((T, R), F32)
     return (lambda k: (k.predictor(out, hidden, h, fc1, fc2), out)[1],
-            predictor_logits(h[None].astype(np.float64), fc1.astype(np.float64), fc2.astype(np.float64))[0])
+            predictor_logits(h.astype(np.float64), fc1.astype(np.float64), fc2.astype(np.float64)))
 
 
 def case_predicted_set(rng, F, threshold):
@@ -166,9 +166,9 @@ SHAPES = [
     ("sparse_ffn", dict(F=12, D=19, n_active=12, kind="relu"), True),
     ("sparse_ffn", dict(F=30, D=9, n_active=7, kind="fatrelu"), True),
     ("sparse_ffn", dict(F=16, D=9, n_active=5, kind="drelu"), True), ("sparse_ffn", dict(F=6, D=9, n_active=6, kind="silu"), True),
-    ("predictor", dict(D=19, R=5, F=77), False), ("predictor", dict(D=64, R=16, F=100), False),
-    ("predictor", dict(D=8, R=1, F=9), False), ("predictor", dict(D=9, R=40, F=300), False),
-    ("predictor", dict(D=19, R=5, F=11), True), ("predictor", dict(D=5, R=12, F=7), True),
+    ("predictor", dict(T=1, D=19, R=5, F=77), False), ("predictor", dict(T=3, D=64, R=16, F=100), False),
+    ("predictor", dict(T=1, D=8, R=1, F=9), False), ("predictor", dict(T=5, D=9, R=40, F=300), False),
+    ("predictor", dict(T=1, D=19, R=5, F=11), True), ("predictor", dict(T=2, D=5, R=12, F=7), True),
     ("predicted_set", dict(F=77, threshold=0.0), False), ("predicted_set", dict(F=10, threshold=-5.0), False),
     ("predicted_set", dict(F=10, threshold=5.0), False),
     ("attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),

@@ -5,11 +5,11 @@ import fast
 import ref
 from fast import Engine, apply_predictors
 from fast.engine import convert
-from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.quant import quantize_model
+from tests.fast.conftest import sparse_engine
 from tests.helpers import SHIPPED, assert_close, write_model
 
 PROMPTS = ["once upon a time, there was a little girl named lily.", "the dog ran to the park and"]
@@ -18,23 +18,6 @@ PROMPTS = ["once upon a time, there was a little girl named lily.", "the dog ran
 @pytest.fixture(scope="module")
 def shipped_engine():
     return fast.Engine.load(SHIPPED)
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A random model with random predictors (about half the neurons predicted per token)."""
-    d = write_model(tmp_path_factory.mktemp("m"), {"eos_token_id": 99})
-    cfg = ref.ModelConfig.from_hf(d)
-    rng = np.random.default_rng(5)
-    pred = Predictors([rng.standard_normal((8, cfg.d_model)).astype(np.float32) for _ in range(cfg.n_layers)],
-                      [rng.standard_normal((cfg.d_ffn, 8)).astype(np.float32) for _ in range(cfg.n_layers)],
-                      0.0, {"threshold": "0.0"})
-    pred.save(d / "predictors.safetensors")
-    return d
-
-
-def sparse_engine(d):
-    return apply_predictors(Engine.load(d), d / "predictors.safetensors")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -123,21 +106,6 @@ def test_facade_composes_the_transforms(small):
     assert e.selector.fc1[0].dtype == FORMATS["f16"].dtype
     want = apply_predictors(Engine.load(small), small / "predictors.safetensors", 0.5, FORMATS["f16"]).logits(ids)
     np.testing.assert_array_equal(e.logits(ids), want)
-
-
-@pytest.mark.parametrize("batch, message", [
-    (Batch(np.array([1, 2]), np.array([0, 1]), np.array([0, 0])), "one sequence's cached positions"),
-    (Batch(np.array([1]), np.array([0]), np.array([3])), "one sequence's cached positions"),
-    (Batch(np.array([1]), np.array([2]), np.array([0])), "sequence 2 has no cache slot"),
-    (Batch(np.array([60]), np.array([0]), np.array([0])), "token id out of range"),
-])
-def test_bad_batches(small, batch, message):
-    """Today a batch continues one sequence's cached positions; anything else is refused, the cache untouched."""
-    for engine in (Engine.load(small), ref.load_model(small)):
-        cache = engine.new_cache(4)
-        with pytest.raises(UserError, match=message):
-            engine.forward(batch, cache)
-        assert cache.lengths.tolist() == [0] and not np.any(cache.k[0])
 
 
 @pytest.mark.parametrize("dtype, fmt", [("F16", "f16"), ("BF16", "bf16"), ("F32", "f32")])

@@ -55,7 +55,24 @@ def test_host_cache_only_where_attention_runs_on_the_cpu(tiny):
     d, _, _ = tiny
     hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
     cache = hybrid.new_cache()
-    assert [isinstance(k, np.ndarray) for k in cache.k] == [False, True]
+    hybrid.forward(Batch.single(IDS, cache), cache)
+    assert [isinstance(k[0], np.ndarray) for k in cache.k] == [False, True]
+
+
+def test_hybrid_batches_of_sequences_match_each_alone(tiny, monkeypatch):
+    """Two sequences' prompts, then prefill beside decode, on slots that grow (room 2, then 4: keys copied on the
+    device and on the host), as ref computes each sequence alone."""
+    import ref.common.batch
+    monkeypatch.setattr(ref.common.batch, "MIN_ROOM", 2)
+    d, _, _ = tiny
+    hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
+    model = ref.load_model(d, predictors=d / "predictors.safetensors")
+    a, b = [1, 5, 9, 2], [3, 7, 11]
+    cache = hybrid.new_cache(slots=2)
+    first = hybrid.forward(Batch.of([(0, a[:3]), (1, b[:1])], cache), cache)
+    second = hybrid.forward(Batch.of([(1, b[1:]), (0, a[3:])], cache), cache)
+    assert_close(np.concatenate([first[:3], second[2:]]), model.logits(a), rtol=1e-4)
+    assert_close(np.concatenate([first[3:], second[:2]]), model.logits(b), rtol=1e-4)
 
 
 def test_hybrid_decode_matches_ref(tiny):
