@@ -65,12 +65,24 @@ class SyntheticSelector(Selector):
         # Per layer a fixed permutation decides which neurons are hot; each token draws neuron i with p[perm[i]].
         self.sets = [[np.flatnonzero(rng.random(F) < p[perm]).astype(np.int32) for _ in range(pool)]
                      for perm in (rng.permutation(F) for _ in range(cfg.n_layers))]
+        self.masks = []  # per layer [pool, F] uint8: the sets as rows, for pick_rows
+        for layer in self.sets:
+            m = np.zeros((pool, F), np.uint8)
+            for i, s in enumerate(layer):
+                m[i, s] = 1
+            self.masks.append(m)
         self.calls = [0] * cfg.n_layers
 
     def pick(self, l: int, logits: np.ndarray) -> np.ndarray:
         """The next pre-drawn active set of layer l, whatever the predictor said."""
         self.calls[l] += 1
         return self.sets[l][self.calls[l] % len(self.sets[l])]
+
+    def pick_rows(self, l: int, logits: np.ndarray, T: int) -> np.ndarray:
+        """The next T sets of layer l as a mask [T, F], at once (a real predictor's threshold is one comparison)."""
+        rows = (self.calls[l] + 1 + np.arange(T)) % len(self.sets[l])
+        self.calls[l] += T
+        return self.masks[l][rows]
 
     def mean_active(self) -> float:
         return float(np.mean([len(s) for layer in self.sets for s in layer]))

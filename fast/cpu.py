@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fast.quant import axpy, axpy4, axpy4t, dot, dot4, dot4t, prefetch_span, quantize_input
+from fast.quant import BLOCK, axpy, axpy4, axpy4t, dot, dot4, dot4t, f16_round, prefetch_span, quantize_input
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -297,6 +297,77 @@ def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
             for k in range(m - m % 4, m):
                 axpy(y[tokens[k]], acts[k], b[2])
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def gather_values(out, w, ids, n):
+    """out[j] = the float32 values of w[ids[j]] for j < n: rows (or neuron bundles) of any format decoded for a BLAS
+    product.  out: [>= n, P, K]; w: [N, P, K / block] rows of blocks; ids: [>= n]."""
+    P = w.shape[1]
+    for j in prange(n):
+        for p in range(P):
+            y = out[j, p]
+            for d in range(y.shape[0]):
+                y[d] = 0.0
+            axpy(y, np.float32(1.0), w[ids[j], p])
+
+
+@njit(parallel=True, cache=True)
+def round_q8_0(out, x):
+    """out = x rounded to Q8_0 blocks along its rows (ref.quant.quantize_q8_0, then its values; fast.quant's
+    quantize_input rounds the same way): what a q8_0 or q4_0 product reads.  out, x: [T, K]."""
+    T, K = x.shape
+    for t in prange(T):
+        for b in range(K // BLOCK):
+            amax = np.float32(0.0)
+            for i in range(b * BLOCK, (b + 1) * BLOCK):
+                amax = max(amax, abs(x[t, i]))
+            d = amax / np.float32(127)
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            stored = f16_round(d)
+            for i in range(b * BLOCK, (b + 1) * BLOCK):
+                v = x[t, i] * inv
+                out[t, i] = np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1) * stored
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def masked_activation(a, g, u, mask, kind, thr):
+    """a[t, j] = a(g[t, j], u[t, j]) where token t computes neuron j (mask), else 0.  a, g, u: [T, U]; mask: [T, >= U]."""
+    T, U = g.shape
+    for t in prange(T):
+        for j in range(U):
+            a[t, j] = activation(kind, g[t, j], u[t, j], thr) if mask[t, j] != 0 else 0.0
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def causal_logits(s, T, pos0, scale):
+    """Row r of each s[k] (query t = r % T at position pos0 + t): scale s - its max over the visible keys 0..pos0+t,
+    -inf after them; exp then normalize_rows make it the causal softmax.  s: [K, G T, S] raw scores."""
+    K, R, S = s.shape
+    for kr in prange(K * R):
+        row = s[kr // R, kr % R]
+        n = min(S, pos0 + kr % R % T + 1)
+        m = -np.inf
+        for j in range(n):
+            m = max(m, row[j] * scale)
+        for j in range(n):
+            row[j] = row[j] * scale - m
+        for j in range(n, S):
+            row[j] = -np.inf
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def normalize_rows(p):
+    """p[k, r] /= sum(p[k, r]).  p: [K, R, S]."""
+    K, R, S = p.shape
+    for kr in prange(K * R):
+        row = p[kr // R, kr % R]
+        total = np.float32(0.0)
+        for j in range(S):
+            total += row[j]
+        inv = np.float32(1.0) / total
+        for j in range(S):
+            row[j] *= inv
 
 
 @njit(cache=True)

@@ -70,6 +70,14 @@ class Selector:
         """P = {i : logits_i >= θ} of layer l; every neuron when there is no predictor (logits None)."""
         return self.all if logits is None else predicted_set(logits, self.threshold)
 
+    def pick_rows(self, l: int, logits: np.ndarray | None, T: int) -> np.ndarray:
+        """The sets of T tokens as a mask [T, F] uint8 (token t computes neuron i): `pick` per token; a subclass may
+        do it at once. logits: [T, F] or None."""
+        picked = np.zeros((T, len(self.all)), np.uint8)
+        for t in range(T):
+            picked[t, self.pick(l, None if logits is None else logits[t])] = 1
+        return picked
+
 
 class SparseFFN:
     """The FFN block with the active set chosen per token by `choose(l, h, x, wg, wu) -> sorted neuron ids`."""

@@ -5,6 +5,7 @@ a slot freed and reused, a prompt crossing the FFN chunk, an empty predicted set
 import numpy as np
 import pytest
 
+import fast.blas
 import fast.engine
 import ref
 import ref.common.batch
@@ -21,6 +22,13 @@ from tests.helpers import assert_close
 IDS = {0: [1, 4, 9, 16, 25, 36, 49, 3], 1: [2, 7, 11, 13], 2: [5, 10, 15, 20, 30, 40]}
 # Each step: (sequence, how many of its next tokens) runs; prompts beside decodes, lengths all different.
 SCHEDULE = [[(0, 5), (1, 2)], [(0, 1), (2, 4), (1, 1)], [(1, 1), (2, 2), (0, 2)]]
+
+
+@pytest.fixture(autouse=True, params=["cpu", "blas"])
+def step_kernels(request, monkeypatch):
+    """Every test twice: steps of two or more tokens on fast.cpu's kernels, then on fast.blas's (the prompt-chunk
+    kernels, which otherwise start at blas.MIN_TOKENS)."""
+    monkeypatch.setattr(fast.blas, "MIN_TOKENS", 10**9 if request.param == "cpu" else 2)
 
 
 def engines(d):

@@ -1,12 +1,21 @@
 import pytest
 
-from fast import cpu, gpu
+from fast import blas, cpu, gpu
 from tests.fast.kernels import CASES, DEVICE_SHAPES, SHAPES, case_id, check_kernel
 
 
 @pytest.mark.parametrize("name, shape, sim", SHAPES, ids=[case_id(*c) for c in SHAPES])
 def test_cpu_kernel(name, shape, sim):
     check_kernel(cpu, name, shape)
+
+
+BLAS_SHAPES = [c for c in SHAPES if hasattr(blas, c[0])]
+
+
+@pytest.mark.parametrize("name, shape, sim", BLAS_SHAPES, ids=[case_id(*c) for c in BLAS_SHAPES])
+def test_blas_kernel(name, shape, sim):
+    """The prompt-chunk kernels (numpy's BLAS on decoded rows) against ref, as fast.cpu's."""
+    check_kernel(blas, name, shape)
 
 
 def test_every_kernel_a_table_names_exists():

@@ -1,0 +1,154 @@
+"""Kernels for many tokens at once (a prompt chunk) through numpy's BLAS, with fast.cpu's contracts name for name.
+
+Where a step has enough tokens, a product is compute-bound and a BLAS GEMM wins: on 2 cores here OpenBLAS's sgemm
+ran x [64, 2048] @ W.T [2048, 5632] at 199 GFLOPS and [512, ...] at 318, fast.cpu.matmul (row dot products, bound
+by its loads) at 66 and 90; at 8 tokens fast.cpu won (85 vs 50 GFLOPS). So the engine runs a step of at least
+`MIN_TOKENS` tokens with these kernels, fewer with fast.cpu's. Weights in another format than float32 are decoded to
+float32 first (`fast.cpu.gather_values`: only the rows used, a neuron bundle's union rows), and a q8_0 or q4_0
+product reads its input rounded to Q8_0 as ref defines (`fast.cpu.round_q8_0`); sums then run in float32 in BLAS's
+order.
+
+Threads: BLAS runs single-threaded, and each product is split into -t parts (rows of its tokens, or kv heads) run on
+a pool of Python threads (numpy releases the GIL). OpenBLAS's own workers spin after each call and took the cores
+from numba's next kernel: a Q8_0 rounding of [512, 2048] ran in 0.56 ms alone and 2.83 ms right after a GEMM.
+
+Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, U neurons of a chunk's union, H/K query/key-value
+heads, E head dim, N output rows, K inputs, R predictor hidden size.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+
+from fast import cpu
+from ref.quant import format_of_blocks
+
+F32 = np.float32
+MIN_TOKENS = 32  # tokens from which a step's products run here (measured crossover: between 8 and 64)
+# A float32 chunk's FFN reads the whole bundle in place (no gathered copy of the union), its outside neurons masked,
+# when the outside's extra products cost less than the copy: (F - U) 6 D T flops at ~300 GFLOPS against U 24 D bytes
+# copied at ~20 GB/s, i.e. (F - U) T < 60 U.
+IN_PLACE = 60
+
+
+_pool: list = [None, 0]  # the executor and its thread count
+
+
+def split(fn, n: int) -> None:
+    """fn(i, n) for i < n parts, on the pool's threads (one per numba thread: -t)."""
+    if n <= 1:
+        fn(0, 1)
+        return
+    if _pool[1] != n:
+        if _pool[0] is not None:
+            _pool[0].shutdown()
+        _pool[:] = [ThreadPoolExecutor(n, thread_name_prefix="blas"), n]
+    for f in [_pool[0].submit(fn, i, n) for i in range(n)]:
+        f.result()
+
+
+def gemm(out, a, b) -> None:
+    """out = a @ b, the rows of a (tokens) split among the threads.  out: [T, N]; a: [T, K]; b: [K, N]."""
+    T = a.shape[0]
+
+    def part(i, n):
+        lo, hi = i * T // n, (i + 1) * T // n
+        np.matmul(a[lo:hi], b, out=out[lo:hi])
+    split(part, min(numba.get_num_threads(), T))
+
+
+def dense(w: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """Rows of w (all, or `ids`) as float32 values [n, ..., K]; a float32 matrix's rows as they are."""
+    if w.dtype == F32:
+        return w if ids is None else w[ids]
+    w3 = w.reshape(w.shape[0], -1, w.shape[-1])  # [N, P, K / block]
+    ids = np.arange(w.shape[0], dtype=np.int32) if ids is None else ids
+    out = np.empty((len(ids), w3.shape[1], w.shape[-1] * format_of_blocks(w.dtype).block), F32)  # [n, P, K]
+    cpu.gather_values(out, w3, ids, len(ids))
+    return out.reshape((len(ids), *w.shape[1:-1], out.shape[-1]))
+
+
+def inputs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, K] as a product with w reads it."""
+    if not format_of_blocks(w.dtype).quantized:
+        return x
+    out = np.empty_like(x)
+    cpu.round_q8_0(out, x)
+    return out
+
+
+def matmul(out, x, w):
+    """Same contract as fast.cpu.matmul: out = x @ w.T.  out: [T, N], x: [T, K], w: [N, K] rows of blocks."""
+    gemm(out, inputs(x, w), dense(w).T)
+
+
+def qkv_proj(qkv, h, attn_norm, wqkv, eps):
+    """Same contract as fast.cpu.qkv_proj."""
+    x = np.empty_like(h)
+    cpu.rmsnorm(x, h, attn_norm, eps)
+    matmul(qkv, x, wqkv)
+
+
+def attention(out, q, k, v, pos0, scores=None):
+    """Same contract as fast.cpu.attention (no scratch needed): causal softmax(q k^T / sqrt(E)) v per head, query
+    head h reading kv head h // (H / K), query t at position pos0 + t.  out, q: [T, H, E]; k, v: [S, K, E].
+
+    Per kv head one GEMM for its group's queries, the causal softmax in place (numba's exp is scalar, numpy's
+    vectorised: 0.65 vs 0.2 s of a TinyLlama pp512), one GEMM with the values."""
+    T, H, E = q.shape
+    K = k.shape[1]
+    G = H // K
+    qg = np.ascontiguousarray(q.reshape(T, K, G, E).transpose(1, 2, 0, 3)).reshape(K, G * T, E)  # row g T + t
+    kt, vt = np.ascontiguousarray(k.transpose(1, 2, 0)), np.ascontiguousarray(v.transpose(1, 0, 2))  # [K, E, S] [K, S, E]
+    s = np.empty((K, G * T, k.shape[0]), F32)
+    o = np.empty((K, G * T, E), F32)
+    heads = (lambda fn: split(lambda i, n: [fn(h) for h in range(i * K // n, (i + 1) * K // n)],
+                              min(numba.get_num_threads(), K)))
+    heads(lambda h: np.matmul(qg[h], kt[h], out=s[h]))
+    cpu.causal_logits(s, T, pos0, F32(1 / np.sqrt(E)))
+    heads(lambda h: np.exp(s[h], out=s[h]))
+    cpu.normalize_rows(s)
+    heads(lambda h: np.matmul(s[h], vt[h], out=o[h]))
+    out[:] = o.reshape(K, G, T, E).transpose(2, 0, 1, 3).reshape(T, H, E)
+
+
+def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
+    """Same contract as fast.cpu.self_attention."""
+    T = qkv.shape[0]
+    K, E = k_cache.shape[1], k_cache.shape[2]
+    H = qkv.shape[1] // E - 2 * K
+    q = np.ascontiguousarray(qkv[:, : H * E]).reshape(T, H, E)  # [T, H, E]
+    cpu.rope(q, q, cos, sin, pos0)
+    cpu.rope(k_cache[pos0:pos0 + T], np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape(T, K, E), cos, sin, pos0)
+    v_cache[pos0:pos0 + T] = qkv[:, (H + K) * E:].reshape(T, K, E)
+    out = np.empty((T, H, E), F32)
+    attention(out, q, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0)
+    att[:] = out.reshape(T, H * E)
+
+
+def predictor(out, hidden, h, fc1, fc2):
+    """Same contract as fast.cpu.predictor: out = fc2 . relu(fc1 . h) per token."""
+    matmul(hidden, h, fc1)
+    np.maximum(hidden, 0, out=hidden)
+    matmul(out, hidden, fc2)
+
+
+def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
+    """Same contract as fast.cpu.sparse_ffn_batch (acc unused): the union's bundles decoded once (a float32 model's
+    whole bundle read in place when every neuron is in it), then three GEMMs with each token's activations masked to
+    its own set: out = (mask * a(x Wg_U^T, x Wu_U^T)) Wd_U."""
+    F, T = bundle.shape[0], x.shape[0]
+    if bundle.dtype == F32 and (F - n_active) * T < IN_PLACE * n_active:
+        b = bundle  # [F, 3, D]: strided views are BLAS operands as they are; the neurons outside the union masked
+        whole = np.zeros((T, F), np.uint8)
+        whole[:, active[:n_active]] = mask[:, :n_active]
+        mask = whole
+    else:
+        b = dense(bundle, active[:n_active])  # [U, 3, D]
+    xin = inputs(x, bundle)  # [T, D]
+    g, u = np.empty((T, b.shape[0]), F32), np.empty((T, b.shape[0]), F32)  # [T, U]
+    gemm(g, xin, b[:, 0, :].T)
+    gemm(u, xin, b[:, 1, :].T)
+    cpu.masked_activation(g, g, u, mask, kind, thr)
+    gemm(out, g, b[:, 2, :])
