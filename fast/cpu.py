@@ -29,7 +29,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fast.quant import BLOCK, axpy, axpy4, axpy4t, dot, dot4, dot4t, f16_round, prefetch_span, quantize_input
+from fast.quant import (BLOCK, axpy, axpy4, axpy4t, dot, dot4, dot4t, prefetch_span, q8_0_round, q8_0_scale,
+                        quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -319,15 +320,9 @@ def round_q8_0(out, x):
     T, K = x.shape
     for t in prange(T):
         for b in range(K // BLOCK):
-            amax = np.float32(0.0)
+            inv, d = q8_0_scale(x[t], b)
             for i in range(b * BLOCK, (b + 1) * BLOCK):
-                amax = max(amax, abs(x[t, i]))
-            d = amax / np.float32(127)
-            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-            stored = f16_round(d)
-            for i in range(b * BLOCK, (b + 1) * BLOCK):
-                v = x[t, i] * inv
-                out[t, i] = np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1) * stored
+                out[t, i] = q8_0_round(x[t, i] * inv) * d
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)

@@ -20,7 +20,7 @@ Dimensions: T tokens, K row length, B = K / 32 blocks per row.
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.extending import intrinsic, overload
@@ -300,6 +300,22 @@ def block_axpy4(typingctx, y, a0, a1, a2, a3, w0, w1, w2, w3):
 
 # ---------------------------------------------------------------------------------------------------- the row operations
 
+@njit(inline="always")
+def q8_0_scale(x, b):
+    """(1 / d, d as stored: fp16) of block b of row x: ref.quant.quantize_q8_0's d = amax / 127."""
+    amax = np.float32(0.0)
+    for i in range(b * BLOCK, (b + 1) * BLOCK):
+        amax = max(amax, abs(x[i]))
+    d = amax / np.float32(127)
+    return (np.float32(1.0) / d if d != 0 else np.float32(0.0)), f16_round(d)
+
+
+@njit(inline="always")
+def q8_0_round(v):
+    """roundf(v), halves away from zero: a Q8_0 quant of v = x / d."""
+    return np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1)
+
+
 def quantize_input(x, w):
     """(xq [T, K] int8, xd [T, B] float32, xs [T, B, 8] int32): x [T, K] as products with w read it (empty for
     float formats); xs holds each block's correction -OFFSET sum(xq) in lane 0 (block_dot's vpdpbusd form)."""
@@ -318,17 +334,12 @@ def _quantize_input(x, w):
         xs = np.zeros((T, K // BLOCK, 8), np.int32)
         for t in range(T):
             for b in range(K // BLOCK):
-                amax = np.float32(0.0)
-                for i in range(b * BLOCK, (b + 1) * BLOCK):
-                    amax = max(amax, abs(x[t, i]))
-                d = amax / np.float32(127)
-                inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+                inv, xd[t, b] = q8_0_scale(x[t], b)
                 total = 0
                 for i in range(b * BLOCK, (b + 1) * BLOCK):
-                    v = x[t, i] * inv
-                    xq[t, i] = np.int8(np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1))
+                    xq[t, i] = np.int8(q8_0_round(x[t, i] * inv))
                     total += xq[t, i]
-                xd[t, b], xs[t, b, 0] = f16_round(d), -offset * total
+                xs[t, b, 0] = -offset * total
         return xq, xd, xs
     return q8_0
 
