@@ -79,11 +79,13 @@ KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
 # [512, 2048] and 4 % on its fc2 [5632, 512] against 8 or 16), at least 16 to keep 16 cores busy, at most 64.
 MATMUL_CHUNKS = (16, 64, 1 << 18)  # fewest, most, weights per chunk
 FASTMATH = True  # vectorised dot products reorder sums; well inside the 1e-4 tolerance (tests check)
+# Every kernel releases the GIL (nogil=True): fast.serve's engine thread runs them while the HTTP event loop answers
+# /health and streams other requests' tokens.
 
 
 # rmsnorm and rope run serially: waking the other workers costs 8 to 16 us, more than their whole work at decode
 # (measured: 1.1 ms of a 72 ms TinyLlama token for 89 calls).
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def rmsnorm(out, x, w, eps):
     """out = x / sqrt(mean(x^2) + eps) * w.  out, x: [T, D], w: [D]."""
     T, D = x.shape
@@ -96,7 +98,7 @@ def rmsnorm(out, x, w, eps):
             out[t, d] = x[t, d] * r * w[d]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def matmul(out, x, w):
     """out = x @ w.T, each weight row read once for all T tokens.  out: [T, N], x: [T, K], w: [N, K].
 
@@ -120,7 +122,7 @@ def matmul(out, x, w):
                 out[t, m] = dot(w[m], x[t], xq[t], xd[t], xs[t])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rope(out, x, cos, sin, pos0):
     """Rotate-half RoPE at positions pos0..pos0+T-1 from precomputed tables.  out, x: [T, h, E]; cos, sin: [P, E/2]."""
     T, nh, E = x.shape
@@ -134,7 +136,7 @@ def rope(out, x, cos, sin, pos0):
                 out[t, h, i + half] = b * cos[p, i] + a * sin[p, i]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def attention(out, q, k, v, pos0, scores):
     """Causal softmax(q k^T / sqrt(E)) v; query head h reads kv head h // (H/K).
 
@@ -209,7 +211,7 @@ def sum_chunks(out, acc):
         out[n] = s
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     """out = sum_{j < n_active} a_i bundle[i, 2], i = active[j], a_i = a(bundle[i, 0].x, bundle[i, 1].x): PowerInfer's
     neuron-aware operator, gate/up rows and the down column of a neuron read as one contiguous bundle.
@@ -255,7 +257,7 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
     sum_chunks(out, acc)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
     """out[t] = sum over j < n_active with mask[t, j] of a_tj bundle[i, 2], i = active[j]: each token's sparse FFN
     over its own predicted set, the chunk's neurons (the union of the sets) each read once for all T tokens.
@@ -300,7 +302,7 @@ def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def gather_values(out, w, ids, n):
     """out[j] = the float32 values of w[ids[j]] for j < n: rows (or neuron bundles) of any format decoded for a BLAS
     product.  out: [>= n, P, K]; w: [N, P, K / block] rows of blocks; ids: [>= n]."""
@@ -313,7 +315,7 @@ def gather_values(out, w, ids, n):
             axpy(y, np.float32(1.0), w[ids[j], p])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def round_q8_0(out, x):
     """out = x rounded to Q8_0 blocks along its rows (ref.quant.quantize_q8_0, then its values; fast.quant's
     quantize_input rounds the same way): what a q8_0 or q4_0 product reads.  out, x: [T, K]."""
@@ -325,7 +327,7 @@ def round_q8_0(out, x):
                 out[t, i] = q8_0_round(x[t, i] * inv) * d
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def masked_activation(a, g, u, mask, kind, thr):
     """a[t, j] = a(g[t, j], u[t, j]) where token t computes neuron j (mask), else 0.  a, g, u: [T, U]; mask: [T, >= U]."""
     T, U = g.shape
@@ -334,7 +336,7 @@ def masked_activation(a, g, u, mask, kind, thr):
             a[t, j] = activation(kind, g[t, j], u[t, j], thr) if mask[t, j] != 0 else 0.0
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def causal_logits(s, T, pos0, scale):
     """Row r of each s[k] (query t = r % T at position pos0 + t): scale s - its max over the visible keys 0..pos0+t,
     -inf after them; exp then normalize_rows make it the causal softmax.  s: [K, G T, S] raw scores."""
@@ -351,7 +353,7 @@ def causal_logits(s, T, pos0, scale):
             row[j] = -np.inf
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def normalize_rows(p):
     """p[k, r] /= sum(p[k, r]).  p: [K, R, S]."""
     K, R, S = p.shape
@@ -365,7 +367,7 @@ def normalize_rows(p):
             row[j] *= inv
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):
     """out = wo . attention(rope(q), rope(k), v), [q; k; v] = wqkv . rmsnorm(h), for one sequence's run; this step's
     keys and values are written to its caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D];
@@ -384,7 +386,7 @@ def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos
     matmul(out, att, wo)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def qkv_proj(qkv, h, attn_norm, wqkv, eps):
     """qkv = wqkv . rmsnorm(h), every token's row read once.  qkv: [T, (H + 2K) E]; h: [T, D]."""
     x = np.empty_like(h)
@@ -392,7 +394,7 @@ def qkv_proj(qkv, h, attn_norm, wqkv, eps):
     matmul(qkv, x, wqkv)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     """att = attention(rope(q), rope(k), v) of one sequence's run at positions pos0..pos0+T-1, its keys and values
     appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache: [room, K, E]."""
@@ -409,7 +411,7 @@ def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     att[:] = out.reshape((T, H * E))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ffn_block(out, acc, h, ffn_norm, bundle, active, n_active, kind, thr, eps):
     """out = sparse_ffn(rmsnorm(h)) for one token over the given active set, as one compiled call.  out, h: [D]."""
     x = np.empty_like(h)
@@ -417,13 +419,13 @@ def ffn_block(out, acc, h, ffn_norm, bundle, active, n_active, kind, thr, eps):
     sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def relu_(x):
     for i in range(x.size):
         x.flat[i] = max(x.flat[i], 0.0)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def predictor(out, hidden, h, fc1, fc2):
     """out = fc2 . relu(fc1 . h) per token, two matmuls (each weight row read once for all T tokens).
     out: [T, F]; hidden: [T, R] scratch; h: [T, D]; fc1: [R, D]; fc2: [F, R].
@@ -435,7 +437,7 @@ def predictor(out, hidden, h, fc1, fc2):
     matmul(out, hidden, fc2)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def predicted_set(active, logits, threshold):
     """Sorted neuron ids with logit >= threshold into active[:n]; returns n.  active: [>= F].
 
@@ -448,7 +450,7 @@ def predicted_set(active, logits, threshold):
     return n
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def read_bandwidth_probe(out, a):
     """Sum every row of a [rows, cols] float32 array, several rows in flight per worker: a streaming-read probe."""
     rows, cols = a.shape

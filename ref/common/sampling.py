@@ -73,9 +73,13 @@ def sample(logits: np.ndarray, history, rng: np.random.Generator, temperature=0.
     logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float64), history, repeat_penalty, repeat_last_n)  # [V]
     if temperature == 0:
         return int(np.argmax(logits))
-    order = np.argsort(-logits, kind="stable")  # candidates, most likely first
-    if top_k > 0:
-        order = order[:top_k]
+    if 0 < top_k < len(logits):  # a stable sort's first k, found by a partition (a full sort costs 6x)
+        kth = -np.partition(-logits, top_k - 1)[top_k - 1]  # the k-th largest value
+        above = np.flatnonzero(logits > kth)
+        top = np.concatenate([above, np.flatnonzero(logits == kth)[: top_k - len(above)]])
+        order = top[np.lexsort((top, -logits[top]))]  # most likely first, ties by id
+    else:
+        order = np.argsort(-logits, kind="stable")  # candidates, most likely first
     if top_p < 1:
         cum = np.cumsum(softmax(logits[order]))
         order = order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest prefix reaching top_p

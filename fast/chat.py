@@ -1,0 +1,75 @@
+"""Chat templates: a model's `chat_template` (tokenizer_config.json, or a GGUF's tokenizer.chat_template) rendered
+with sandboxed Jinja2 as transformers renders it; a model without one gets FALLBACK, a plain documented format.
+
+transformers' environment: ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks) with loopcontrols, `tojson`,
+`raise_exception` and `strftime_now`; variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`.
+"""
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from ref.common.errors import UserError
+
+# For base models (ReluLLaMA, ProSparse and the shipped model have no template): each message as "Role: content" on
+# its own line, then "Assistant:" for the reply. It knows nothing of tools.
+FALLBACK = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+class TemplateError(ValueError):
+    """A request the template cannot render (the HTTP layer answers 400)."""
+
+
+def model_template(path: Path) -> str | None:
+    """A model folder's chat_template (tokenizer_config.json; a list of named templates: the 'default' one), or a
+    GGUF file's tokenizer.chat_template; None when it has none."""
+    path = Path(path)
+    if path.is_dir():
+        cfg = path / "tokenizer_config.json"
+        if not cfg.is_file():
+            return None
+        try:
+            t = json.loads(cfg.read_text()).get("chat_template")
+        except (OSError, ValueError) as e:
+            raise UserError(f"{cfg}: not valid JSON ({e})") from None
+        if isinstance(t, list):
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        return t if isinstance(t, str) else None
+    from ref.common.gguf_io import gguf_metadata
+    t = gguf_metadata(path).get("tokenizer.chat_template")
+    return t if isinstance(t, str) else None
+
+
+class ChatTemplate:
+    """Renders messages into a prompt string."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.is_fallback = source is None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = self.raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(FALLBACK if source is None else source)
+        except TemplateSyntaxError as e:
+            raise UserError(f"chat template: {e}") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @staticmethod
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        if self.is_fallback and extra.get("tools"):
+            raise TemplateError("this model has no chat template, and the plain fallback has no tools")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        except TemplateError:
+            raise
+        except Exception as e:  # a template that fails on this input (jinja2's errors, a sandbox violation)
+            raise TemplateError(f"the chat template failed on these messages: {e}") from None

@@ -1,0 +1,286 @@
+"""Continuous batching: one engine thread owns the model and runs every forward; requests wait in a bounded FIFO
+queue, take a KV-cache slot when one is free, and share each step with the others (llama.cpp's server loop).
+
+A step is one `forward` over a batch of runs: each generating request's last sampled token (decodes first, so that
+they keep their pace), then pending prompt tokens up to `batch_size` in all (a long prompt is fed in chunks over
+several steps, beside the running decodes). A request whose prompt is complete samples its next token from its run's
+logits with its own sampler and seed, so its text does not depend on what ran beside it. Text comes out through
+`TextStream` (whole UTF-8 characters, stop strings cut and never emitted) as events the HTTP layer reads:
+`("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message)`. A cancelled request (a
+client that went away) leaves its slot at the next step.
+
+Dimensions: V vocab.
+"""
+
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ref.common.batch import Batch
+from ref.common.errors import UserError
+from ref.common.sampling import REPEAT_LAST_N, sample
+
+
+@dataclass
+class Params:
+    """A request's generation settings (OpenAI's and llama.cpp's fields)."""
+
+    max_tokens: int = -1  # -1: until EOS or the slot's context is full
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = REPEAT_LAST_N
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0  # how many top alternatives to report per token (0: no logprobs)
+    ignore_eos: bool = False
+
+
+class QueueFull(Exception):
+    """The bounded queue is full: the HTTP layer answers 503 with Retry-After."""
+
+
+class TextStream:
+    """Decoded text of a request's tokens as it may be shown: whole UTF-8 characters only, and nothing that could be
+    the start of a stop string until the next token decides; a stop string ends the text and is never shown."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tok, self.stop, self.ids, self.shown = tokenizer, tuple(s for s in stop if s), [], 0
+        self.text = ""
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """The new text to show after `token`, and whether a stop string ended the text."""
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next byte
+            return "", False
+        self.text = text
+        cut = min((i for i in (text.find(s, max(0, self.shown - len(s) + 1)) for s in self.stop) if i >= 0),
+                  default=-1)
+        if cut >= 0:
+            return self.take(cut), True
+        hold = max((k for s in self.stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)  # a tail that may grow into a stop string
+        return self.take(len(text) - hold), False
+
+    def take(self, end: int) -> str:
+        piece, self.shown = self.text[self.shown:max(end, self.shown)], max(end, self.shown)
+        return piece
+
+    def flush(self) -> str:
+        """At the end without a stop string: what was held back."""
+        return self.take(len(self.text))
+
+
+@dataclass
+class Request:
+    """One completion: prompt ids, settings, and where its events go (`emit`, called on the engine thread)."""
+
+    prompt: list[int]
+    params: Params
+    emit: object
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # engine-side state
+    slot: int = -1
+    fed: int = 0
+    out: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    stream: TextStream | None = None
+    rng: np.random.Generator | None = None
+    queued_at: float = 0.0
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+
+
+def logprob_entries(logits: np.ndarray, token: int, top: int) -> dict:
+    """The chosen token's log-probability under the model and the `top` most likely alternatives."""
+    z = logits.astype(np.float64)
+    lp = z - (z.max() + math.log(np.exp(z - z.max()).sum()))  # [V] log-softmax
+    best = np.argsort(-lp, kind="stable")[:top]
+    return {"token": token, "logprob": float(lp[token]),
+            "top": [(int(i), float(lp[i])) for i in best]}
+
+
+def penalized(logits: np.ndarray, out: list[int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's presence and frequency penalties over the tokens generated so far: logit -= presence [count > 0] +
+    frequency count."""
+    if not (presence or frequency) or not out:
+        return logits
+    logits = logits.astype(np.float64)
+    for tok, n in Counter(out).items():
+        logits[tok] -= presence + frequency * n
+    return logits
+
+
+class Scheduler:
+    """The engine thread and its request queue. `load()` runs on that thread first (numba's thread count and a CUDA
+    context belong to the thread that sets them) and returns (engine, tokenizer)."""
+
+    def __init__(self, load, slots: int, ctx_size: int | None, batch_size: int = 512, max_queue: int = 64):
+        if slots < 1:
+            raise UserError(f"-np/--parallel must be >= 1, got {slots}")
+        if batch_size < 1:
+            raise UserError(f"-b/--batch-size must be >= 1, got {batch_size}")
+        if max_queue < 0:
+            raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+        self.load, self.slots, self.ctx_size, self.batch_size = load, slots, ctx_size, batch_size
+        self.waiting: queue.Queue = queue.Queue()  # accepted requests not yet in a slot (at most max_queue + free slots)
+        self.max_queue = max_queue
+        self.running: list[Request] = []
+        self.engine = self.tokenizer = None
+        self.ready, self.failed = threading.Event(), None
+        self.stopping = threading.Event()
+        self.wake = threading.Event()
+        self.lock = threading.Lock()
+        self.metrics = Counter()  # requests_total, prompt_tokens_total, tokens_predicted_total, seconds...
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+
+    def start(self) -> "Scheduler":
+        self.thread.start()
+        return self
+
+    @property
+    def ctx(self) -> int:
+        """Positions a slot holds: -c, or the model's context."""
+        return self.ctx_size or self.engine.config.max_seq_len
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (FIFO); QueueFull when `max_queue` requests wait already."""
+        if not self.ready.is_set():
+            raise UserError("the model is still loading")
+        if len(request.prompt) >= self.ctx:
+            raise UserError(f"the request exceeds the available context size: {len(request.prompt)} prompt tokens, "
+                            f"context {self.ctx} per slot (-c/--ctx-size)")
+        request.queued_at = time.perf_counter()
+        with self.lock:
+            if self.waiting.qsize() >= self.max_queue + max(0, self.slots - len(self.running)):
+                self.metrics["requests_rejected_total"] += 1
+                raise QueueFull()
+            self.waiting.put_nowait(request)
+        self.wake.set()
+
+    def queue_depth(self) -> int:
+        return self.waiting.qsize()
+
+    def busy_slots(self) -> int:
+        return len(self.running)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+
+    # ---- the engine thread
+
+    def run(self) -> None:
+        try:
+            self.engine, self.tokenizer = self.load()
+            self.cache = self.engine.new_cache(self.ctx, slots=self.slots)
+            for s in range(self.slots):
+                self.cache.free(s)
+        except BaseException as e:  # the HTTP layer reports it on /health
+            self.failed = e
+            return
+        self.ready.set()
+        while not self.stopping.is_set():
+            self.admit()
+            if not self.running:
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as e:  # a bug, not a request's fault: every running request learns of it
+                for r in self.running:
+                    self.finish(r, None, error=f"{type(e).__name__}: {e}")
+                self.running = []
+
+    def admit(self) -> None:
+        """Move waiting requests into free slots, oldest first."""
+        while len(self.running) < self.slots:
+            try:
+                r = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if r.cancelled.is_set():
+                continue
+            r.slot, r.started_at = self.cache.allocate(), time.perf_counter()
+            r.stream = TextStream(self.tokenizer, r.params.stop)
+            r.rng = np.random.default_rng(r.params.seed)
+            self.running.append(r)
+            self.metrics["requests_total"] += 1
+
+    def step(self) -> None:
+        """One forward: decodes first, then prompt chunks within the batch budget; then each request whose prompt is
+        complete samples its next token."""
+        for r in [r for r in self.running if r.cancelled.is_set()]:
+            self.finish(r, None)
+        decoding = [r for r in self.running if r.fed == len(r.prompt)]
+        runs, sampled = [(r.slot, [r.out[-1]]) for r in decoding], list(decoding)
+        budget = self.batch_size - len(runs)
+        for r in self.running:
+            if r.fed < len(r.prompt) and budget > 0:
+                chunk = r.prompt[r.fed:r.fed + budget]
+                runs.append((r.slot, chunk))
+                budget -= len(chunk)
+                r.fed += len(chunk)
+                self.metrics["prompt_tokens_total"] += len(chunk)
+                if r.fed == len(r.prompt):
+                    sampled.append(r)
+        if not runs:
+            return
+        t0 = time.perf_counter()
+        logits = self.engine.forward(Batch.of(runs, self.cache, last_only=True), self.cache)  # [runs, V]
+        self.metrics["seconds_total"] += time.perf_counter() - t0
+        self.metrics["decode_steps_total"] += 1
+        row = {slot: i for i, (slot, _) in enumerate(runs)}
+        for r in sampled:
+            self.next_token(r, logits[row[r.slot]])
+
+    def next_token(self, r: Request, logits: np.ndarray) -> None:
+        p = r.params
+        history = r.prompt + r.out
+        z = penalized(logits, r.out, p.presence_penalty, p.frequency_penalty)
+        t = sample(z, history, r.rng, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n)
+        if not r.out:
+            r.first_token_at = time.perf_counter()
+        if t in self.engine.config.eos_token_ids and not p.ignore_eos:
+            return self.finish(r, "stop")
+        r.out.append(t)
+        self.metrics["tokens_predicted_total"] += 1
+        if p.logprobs:
+            r.logprobs.append(logprob_entries(logits, t, p.logprobs))
+        piece, stopped = r.stream.add(t)
+        if piece:
+            r.emit(("text", piece, t))
+        if stopped:
+            return self.finish(r, "stop", flush=False)
+        if len(r.out) == p.max_tokens or len(r.prompt) + len(r.out) >= self.ctx:
+            return self.finish(r, "length")
+
+    def finish(self, r: Request, reason: str | None, error: str | None = None, flush: bool = True) -> None:
+        """Free the request's slot; tell its reader why it ended (nothing for a cancelled request)."""
+        self.cache.free(r.slot)
+        self.running.remove(r)
+        if error is not None:
+            r.emit(("error", error))
+            return
+        if reason is None:
+            return
+        rest = r.stream.flush() if flush else ""  # held back for a stop string that did not come
+        if rest:
+            r.emit(("text", rest, None))
+        end = time.perf_counter()
+        first = r.first_token_at or end
+        r.emit(("done", reason, {
+            "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "text": r.stream.text[:r.stream.shown],
+            "logprobs": r.logprobs, "prompt_ms": (first - r.started_at) * 1e3, "predicted_ms": (end - first) * 1e3,
+            "queued_ms": (r.started_at - r.queued_at) * 1e3}))

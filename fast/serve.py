@@ -1,0 +1,472 @@
+"""`python -m fast.serve [MODEL]`: an OpenAI-compatible HTTP server (llama.cpp's server's routes and flags) over the
+continuous-batching scheduler (`fast.scheduler`), on FastAPI and uvicorn (the `server` extra).
+
+Routes: POST /v1/completions, /v1/chat/completions (streamed as `data: {json}\\n\\n` events ending with
+`data: [DONE]\\n\\n`, or whole), GET /v1/models, /health (503 while loading), /metrics (Prometheus text),
+POST /tokenize, /detokenize, and the chat page at /. Errors are `{"error": {"code", "message", "type"}}` with a 4xx
+status for bad requests (a 503 with Retry-After when the queue is full); an error during a stream is a
+`data: {"error": ...}` event.
+"""
+
+import asyncio
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from fast.chat import ChatTemplate, TemplateError, model_template
+from fast.scheduler import Params, QueueFull, Request, Scheduler
+from ref.common.cli import resolve_model, user_errors
+from ref.common.errors import UserError
+from ref.common.sampling import REPEAT_LAST_N
+
+PAGE = Path(__file__).with_name("chat.html")
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP status, OpenAI error type, message, the field at fault."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def body(self) -> dict:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type, "param": self.param}}
+
+
+def field(body: dict, name: str, kind, default, check=None, what: str = ""):
+    """body[name] checked to be of `kind` (and to pass `check`), else a 400 naming the field."""
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise ApiError(400, f"'{name}' must be {what or kind.__name__}, got {json.dumps(v)[:60]}", param=name)
+    if check is not None and not check(v):
+        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(v)[:60]}", param=name)
+    return v
+
+
+def parse_params(body: dict, chat: bool) -> tuple[Params, bool]:
+    """Generation settings of a request body (OpenAI's names, llama.cpp's extras and defaults), and `stream`."""
+    n = field(body, "n", int, 1)
+    if n != 1:
+        raise ApiError(400, "only one completion choice is allowed ('n' must be 1)", param="n")
+    for unsupported in ("best_of", "suffix"):
+        if body.get(unsupported) is not None:
+            raise ApiError(400, f"'{unsupported}' is not supported", param=unsupported)
+    if body.get("echo"):
+        raise ApiError(400, "'echo' is not supported", param="echo")
+    max_tokens = field(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", int,
+                       body.get("n_predict", -1) if not isinstance(body.get("n_predict"), bool) else -1)
+    if max_tokens == 0 or max_tokens < -1:
+        raise ApiError(400, f"'max_tokens' must be >= 1 (or -1: until the end of text), got {max_tokens}",
+                       param="max_tokens")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16):
+        raise ApiError(400, "'stop' must be a string or a list of at most 16 strings", param="stop")
+    if chat:  # logprobs: true, and top_logprobs alternatives (at least the chosen token's)
+        top = field(body, "top_logprobs", int, 0, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
+        logprobs = max(top, 1) if field(body, "logprobs", bool, False) else 0
+    else:
+        logprobs = field(body, "logprobs", int, 0, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
+    seed = field(body, "seed", int, None)
+    p = Params(
+        max_tokens=max_tokens,
+        temperature=field(body, "temperature", float, 0.8, lambda v: 0 <= v <= 100, "a number >= 0"),
+        top_k=field(body, "top_k", int, 40, lambda v: v >= 0, "an integer >= 0"),
+        top_p=field(body, "top_p", float, 0.95, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        min_p=field(body, "min_p", float, 0.05, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        repeat_penalty=field(body, "repeat_penalty", float, 1.0, lambda v: v > 0, "a number > 0"),
+        repeat_last_n=field(body, "repeat_last_n", int, REPEAT_LAST_N, lambda v: v >= -1, "an integer >= -1"),
+        presence_penalty=field(body, "presence_penalty", float, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+        frequency_penalty=field(body, "frequency_penalty", float, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+        seed=None if seed is None or seed < 0 else seed,
+        stop=tuple(stop or ()), logprobs=logprobs, ignore_eos=field(body, "ignore_eos", bool, False))
+    return p, field(body, "stream", bool, False)
+
+
+def check_messages(messages) -> list[dict]:
+    """Chat messages as the template reads them: role and text content (a string or text parts)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # text parts
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str) and not (content is None and m["role"] == "assistant"):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        out.append({**m, "content": content or ""})
+    return out
+
+
+class Server:
+    """What the routes share: the scheduler, the tokenizer's chat template, names, the API key, counters."""
+
+    def __init__(self, scheduler: Scheduler, model_path: Path, alias: str, api_key: str | None):
+        self.scheduler, self.model_path, self.alias, self.api_key = scheduler, model_path, alias, api_key
+        self.template: ChatTemplate | None = None
+        self.started = time.time()
+
+    def chat_template(self) -> ChatTemplate:
+        if self.template is None:
+            tok = self.scheduler.tokenizer
+            bos = tok.tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
+            eos = tok.tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+            self.template = ChatTemplate(model_template(self.model_path), bos or "", eos or "")
+        return self.template
+
+
+def create_app(server: Server):
+    """The FastAPI application over a (started) scheduler."""
+    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="powerinfer-py", docs_url=None, redoc_url=None)
+    sched = server.scheduler
+
+    def error_response(e: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e):
+        return error_response(ApiError(400, f"invalid request: {e.errors()[0].get('msg', e)}"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return error_response(ApiError(e.status_code, str(e.detail), kind))
+
+    @app.middleware("http")
+    async def authorize(request: HttpRequest, call_next):
+        open_paths = ("/", "/health", "/chat.html")
+        if server.api_key and request.url.path not in open_paths:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+                return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                               "authentication_error"))
+        return await call_next(request)
+
+    def require_ready():
+        if sched.failed is not None:
+            raise ApiError(500, f"the model failed to load: {sched.failed}", "server_error")
+        if not sched.ready.is_set():
+            raise ApiError(503, "the model is loading", "unavailable_error")
+
+    async def json_body(request: HttpRequest) -> dict:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != server.alias and model != "default":
+            raise ApiError(404, f"the model '{model}' does not exist (this server runs '{server.alias}')",
+                           "not_found_error", "model")
+        return body
+
+    @app.get("/health")
+    async def health():
+        require_ready()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models():
+        require_ready()
+        c = sched.engine.config
+        return {"object": "list", "data": [{
+            "id": server.alias, "object": "model", "created": int(server.started), "owned_by": "powerinfer-py",
+            "meta": {"n_vocab": c.vocab_size, "n_ctx_train": c.max_seq_len, "n_embd": c.d_model,
+                     "n_params": c.n_params, "n_ctx_slot": sched.ctx, "slots": sched.slots}}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        m, prefix = sched.metrics, "powerinfer_py:"
+        seconds = m["seconds_total"]
+        lines = []
+        for name, kind, value, about in [
+            ("requests_total", "counter", m["requests_total"], "requests that took a slot"),
+            ("requests_rejected_total", "counter", m["requests_rejected_total"], "requests refused, the queue full"),
+            ("prompt_tokens_total", "counter", m["prompt_tokens_total"], "prompt tokens processed"),
+            ("tokens_predicted_total", "counter", m["tokens_predicted_total"], "tokens generated"),
+            ("decode_steps_total", "counter", m["decode_steps_total"], "forward steps"),
+            ("forward_seconds_total", "counter", seconds, "seconds spent in forward steps"),
+            ("requests_processing", "gauge", sched.busy_slots(), "requests in a slot"),
+            ("requests_deferred", "gauge", sched.queue_depth(), "requests waiting for a slot"),
+            ("predicted_tokens_seconds", "gauge",
+             m["tokens_predicted_total"] / seconds if seconds else 0.0, "generated tokens per forward second")]:
+            lines += [f"# HELP {prefix}{name} {about}", f"# TYPE {prefix}{name} {kind}", f"{prefix}{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: HttpRequest):
+        require_ready()
+        body = await json_body(request)
+        content = field(body, "content", str, None, what="a string")
+        if content is None:
+            raise ApiError(400, "'content' is required", param="content")
+        ids = sched.tokenizer.encode(content)
+        if not field(body, "add_special", bool, False) and sched.tokenizer.bos_id is not None and ids[:1] == [sched.tokenizer.bos_id]:
+            ids = ids[1:]
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: HttpRequest):
+        require_ready()
+        body = await json_body(request)
+        ids = body.get("tokens")
+        V = sched.engine.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in ids):
+            raise ApiError(400, f"'tokens' must be a list of token ids in [0, {V})", param="tokens")
+        return {"content": sched.tokenizer.decode(ids)}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return HTMLResponse(PAGE.read_text())
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(request: HttpRequest):
+        require_ready()
+        body = await json_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
+        params, stream = parse_params(body, chat=False)
+        return await respond(request, sched.tokenizer.encode(prompt), params, stream, chat=False)
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions(request: HttpRequest):
+        require_ready()
+        body = await json_body(request)
+        messages = check_messages(body.get("messages"))
+        params, stream = parse_params(body, chat=True)
+        try:
+            text = server.chat_template().render(messages, add_generation_prompt=messages[-1]["role"] != "assistant",
+                                                 tools=body.get("tools"))
+        except TemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = sched.tokenizer.encode(text)
+        return await respond(request, ids, params, stream, chat=True)
+
+    async def respond(request: HttpRequest, ids: list[int], params: Params, stream: bool, chat: bool):
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        req = Request(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        try:
+            sched.submit(req)
+        except QueueFull:
+            raise ApiError(503, f"the server is busy: {sched.slots} slots in use and {sched.max_queue} requests "
+                           "waiting; retry later", "unavailable_error") from None
+        except UserError as e:
+            raise ApiError(400, str(e), param="prompt" if not chat else "messages") from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        created = int(time.time())
+        shape = Shape(rid, created, server.alias, chat, sched.tokenizer)
+        if stream:
+            return StreamingResponse(stream_events(req, events, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces = []
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        req.cancelled.set()
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if ev[0] == "text":
+                    pieces.append(ev[1])
+                elif ev[0] == "error":
+                    raise ApiError(500, ev[1], "server_error")
+                else:
+                    return shape.whole("".join(pieces), ev[1], ev[2])
+        finally:
+            req.cancelled.set()  # a no-op once finished; frees the slot of a request whose handler ended early
+
+    async def stream_events(req: Request, events: asyncio.Queue, shape: "Shape"):
+        try:
+            if shape.chat:
+                yield sse(shape.chunk({"role": "assistant", "content": None}, None))
+            while True:
+                ev = await events.get()
+                if ev[0] == "text":
+                    yield sse(shape.chunk({"content": ev[1]} if shape.chat else ev[1], None))
+                elif ev[0] == "error":
+                    yield sse({"error": {"code": 500, "message": ev[1], "type": "server_error"}})
+                    break
+                else:
+                    yield sse(shape.chunk({} if shape.chat else "", ev[1], ev[2]))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the generator is closed) or the stream ended: the slot is freed
+            req.cancelled.set()
+
+    return app
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Shape:
+    """OpenAI's response and chunk objects for one request (llama.cpp's `timings` added)."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, tokenizer):
+        self.rid, self.created, self.model, self.chat, self.tok = rid, created, model, chat, tokenizer
+
+    def head(self, kind: str) -> dict:
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": "powerinfer-py"}
+
+    @staticmethod
+    def usage(stats: dict) -> dict:
+        return {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"],
+                "total_tokens": stats["prompt_tokens"] + stats["completion_tokens"]}
+
+    @staticmethod
+    def timings(stats: dict) -> dict:
+        pn, pm, n, m = stats["prompt_tokens"], stats["prompt_ms"], stats["completion_tokens"], stats["predicted_ms"]
+        return {"prompt_n": pn, "prompt_ms": pm, "prompt_per_second": pn / pm * 1e3 if pm else 0.0,
+                "predicted_n": n, "predicted_ms": m, "predicted_per_second": n / m * 1e3 if m else 0.0,
+                "queued_ms": stats["queued_ms"]}
+
+    def logprobs(self, stats: dict):
+        entries = stats["logprobs"]
+        if not entries:
+            return None
+        piece = (lambda i: self.tok.decode([i]))
+        if self.chat:
+            return {"content": [{"token": piece(e["token"]), "logprob": e["logprob"],
+                                 "bytes": list(piece(e["token"]).encode()),
+                                 "top_logprobs": [{"token": piece(i), "logprob": lp, "bytes": list(piece(i).encode())}
+                                                  for i, lp in e["top"]]} for e in entries]}
+        return {"tokens": [piece(e["token"]) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{piece(i): lp for i, lp in e["top"]} for e in entries]}
+
+    def whole(self, text: str, reason: str, stats: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(stats),
+                      "finish_reason": reason}
+            return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage(stats),
+                    "timings": self.timings(stats)}
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(stats), "finish_reason": reason}
+        return {**self.head("text_completion"), "choices": [choice], "usage": self.usage(stats),
+                "timings": self.timings(stats)}
+
+    def chunk(self, delta, reason: str | None, stats: dict | None = None) -> dict:
+        if self.chat:
+            out = {**self.head("chat.completion.chunk"), "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                                       "finish_reason": reason}]}
+        else:
+            out = {**self.head("text_completion"), "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                                                 "finish_reason": reason}]}
+        if stats is not None:
+            out["usage"], out["timings"] = self.usage(stats), self.timings(stats)
+            out["choices"][0]["logprobs"] = self.logprobs(stats)
+        return out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@click.option("-m", "--model", type=click.Path(path_type=Path), default=None, help="Same as MODEL_DIR.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("-np", "--parallel", "slots", type=int, default=4, show_default=True,
+              help="Slots: requests decoded together (continuous batching).")
+@click.option("-c", "--ctx-size", type=int, default=0, show_default=True,
+              help="Positions each slot holds (0: the model's context); the cache grows with what the slots hold.")
+@click.option("-b", "--batch-size", type=int, default=512, show_default=True, help="Most tokens in one forward step.")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests that may wait for a slot; beyond them the server answers 503 with Retry-After.")
+@click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: the idle cores].")
+@click.option("--device", type=click.Choice(["cpu", "gpu", "hybrid"]), default="cpu", show_default=True)
+@click.option("--type", "type_", default=None, help="Weight format to run in [default: as stored].")
+@click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors).")
+@click.option("--predictors", type=click.Path(path_type=Path), default=None,
+              help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer GGUF's own]")
+@click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid).")
+@click.option("-a", "--alias", default=None, help="The model's name in the API [default: the model's file or folder name].")
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but / and /health.")
+@user_errors
+def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, threads, device, type_, dense,
+         predictors, vram_budget, alias, api_key):
+    """Serve MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) over OpenAI's HTTP API."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise UserError("fast.serve needs FastAPI and uvicorn: pip install -e '.[server]'") from None
+    from fast.load import default_predictors, load_engine
+    from ref.common.tokenizer import load_tokenizer
+
+    path = resolve_model(model_dir, model)
+    if ctx_size < 0:
+        raise UserError(f"-c/--ctx-size must be >= 0, got {ctx_size}")
+    if not 0 < port < 65536:
+        raise UserError(f"--port must be in [1, 65535], got {port}")
+    predictors = default_predictors(path, predictors, dense)
+    tokenizer = load_tokenizer(path)  # a bad tokenizer is refused now, not on the engine thread
+
+    def load():
+        engine = load_engine(path, device=device, predictors=predictors, threads=threads, type_=type_,
+                             vram_budget=vram_budget)
+        if ctx_size > engine.config.max_seq_len:
+            raise UserError(f"-c/--ctx-size {ctx_size} exceeds the model's context of {engine.config.max_seq_len}")
+        return engine, tokenizer
+
+    scheduler = Scheduler(load, slots, ctx_size or None, batch_size, max_queue).start()
+    server = Server(scheduler, path, alias or path.name, api_key)
+    app = create_app(server)
+    click.echo(f"loading {path} on the engine thread; serving http://{host}:{port} (/health is 503 until loaded)",
+               err=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
+    http = uvicorn.Server(config)
+
+    async def serve():
+        task = asyncio.create_task(http.serve())
+        while not scheduler.ready.is_set() and scheduler.failed is None and not task.done():
+            await asyncio.sleep(0.1)
+        if scheduler.failed is not None:
+            http.should_exit = True
+            await task
+            raise scheduler.failed if isinstance(scheduler.failed, UserError) else UserError(
+                f"loading the model failed: {scheduler.failed}")
+        if scheduler.ready.is_set():
+            e = scheduler.engine
+            click.echo(f"ready: {server.alias}, {slots} slots of {scheduler.ctx} positions, {e.threads} threads, "
+                       f"weights {e.format.name}, FFN {'sparse' if e.selector.predicts else 'dense'}", err=True)
+        await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        scheduler.stop()
+    if not http.started:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""`python -m fast.serve` as clients use it: a real server process on 127.0.0.1, the official openai client and httpx;
+OpenAI's wire format, continuous batching, the queue, disconnects and bad input (4xx, and the next request served)."""
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from tests.e2e.server import ServerProcess, free_port  # noqa: E402  (needs httpx)
+
+MODEL = "tiny-relu-llama"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("-np", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def fast_run_text(prompt: str, n: int) -> str:
+    r = subprocess.run([sys.executable, "-m", "fast.run", "-p", prompt, "-n", str(n), "--temp", "0", "-t", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout[len(prompt):-1]  # fast.run ends its output with a newline
+    return text.removesuffix(" [end of text]")
+
+
+def test_greedy_completion_equals_fast_run_streamed_or_not(client):
+    prompt = "once upon a time"
+    want = fast_run_text(prompt, 24)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == want
+    assert whole.usage.completion_tokens <= 24 and whole.usage.prompt_tokens > 3
+    assert whole.choices[0].finish_reason in ("length", "stop")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                                                             temperature=0, stream=True))
+    assert streamed == whole.choices[0].text
+
+
+def test_chat_stream_chunks_and_usage(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12,
+            "stream": True, "seed": 3}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] in ("stop", "length") and last["usage"]["completion_tokens"] <= 12
+    assert last["timings"]["predicted_n"] == last["usage"]["completion_tokens"]
+
+
+def test_chat_with_the_openai_client(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "You tell stories."},
+                                                              {"role": "user", "content": "a dog"}],
+                                       max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 10
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a dog"}], max_tokens=10, temperature=0, stream=True))
+    assert isinstance(text, str)
+
+
+def test_stop_strings_are_cut(client):
+    full = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=30, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) > 4
+    stop = " " + words[3]
+    r = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="once upon a time", max_tokens=30, temperature=0, stop=stop, stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_same_seed_same_text_alone_or_beside_others(client):
+    kw = dict(model=MODEL, prompt="the little bird", max_tokens=16, temperature=1.0, seed=1234)
+    alone = client.completions.create(**kw).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(client.completions.create, model=MODEL, prompt=p, max_tokens=16, temperature=1.0)
+                  for p in ("a cat", "the sun was", "one day")]
+        beside = pool.submit(client.completions.create, **kw)
+        assert beside.result().choices[0].text == alone
+        assert all(o.result().choices[0].text is not None for o in others)
+
+
+def test_concurrent_requests_all_finish(client):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: client.completions.create(model=MODEL, prompt=f"story {i}", max_tokens=8,
+                                                                    temperature=0), range(8)))
+    assert all(r.usage.completion_tokens >= 1 for r in results)
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == r.usage.completion_tokens and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(t) <= 3 for t in lp.top_logprobs)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    assert all(len(e.top_logprobs) == 2 for e in c.choices[0].logprobs.content)
+
+
+def test_models_health_metrics_tokenize(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
+    before = httpx.get(server.url + "/metrics").text
+    httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60)
+    after = httpx.get(server.url + "/metrics").text
+
+    def value(text, name):
+        return float(next(l.split()[-1] for l in text.splitlines() if l.startswith(f"powerinfer_py:{name} ")))
+    assert value(after, "requests_total") == value(before, "requests_total") + 1
+    assert value(after, "tokens_predicted_total") > value(before, "tokens_predicted_total")
+    toks = httpx.post(server.url + "/tokenize", json={"content": "once upon a time"}).json()["tokens"]
+    assert httpx.post(server.url + "/detokenize", json={"tokens": toks}).json()["content"] == "once upon a time"
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    def busy():
+        text = httpx.get(server.url + "/metrics").text
+        return float(next(l.split()[-1] for l in text.splitlines() if l.startswith("powerinfer_py:requests_processing ")))
+    body = {"prompt": "once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for _ in r.iter_lines():
+            break  # one event, then the client goes away
+    deadline = time.time() + 10
+    while busy() and time.time() < deadline:
+        time.sleep(0.05)
+    assert busy() == 0
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": 1}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "messages"),
+    ("/v1/nothing", {}, 404, None),
+])
+def test_bad_requests_get_4xx_and_the_server_goes_on(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"code", "message", "type"} and err["message"]
+    if param:
+        assert err["param"] == param
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+
+
+def test_api_key_and_the_full_queue():
+    s = ServerProcess("-np", "1", "--max-queue", "1", "--api-key", "sekret")
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200  # open, for load balancers
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        wrong = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong")
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        auth = {"Authorization": "Bearer sekret"}
+        long = {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:  # one runs, one waits, the others find the queue full
+            answers = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=long, headers=auth,
+                                                         timeout=120), range(6)))
+        codes = sorted(a.status_code for a in answers)
+        assert codes[:2] == [200, 200] and set(codes) == {200, 503}, codes
+        for a in answers:
+            if a.status_code == 503:
+                assert a.headers["retry-after"] == "1" and a.json()["error"]["type"] == "unavailable_error"
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth,
+                          timeout=60).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_bad_flags_are_one_line():
+    r = subprocess.run([sys.executable, "-m", "fast.serve", "-np", "0", "--port", str(free_port())],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: -np/--parallel must be >= 1")
+    assert "Traceback" not in r.stderr
