@@ -83,7 +83,8 @@ class TextStream:
 
 @dataclass
 class Request:
-    """One completion: prompt ids, settings, and where its events go (`emit`, called on the engine thread)."""
+    """One completion: prompt ids, settings, and where its events go (`emit`: on the scheduler's `loop` when it has
+    one, else on the engine thread)."""
 
     prompt: list[int]
     params: Params
@@ -99,6 +100,11 @@ class Request:
     queued_at: float = 0.0
     started_at: float = 0.0
     first_token_at: float = 0.0
+
+
+def deliver(items) -> None:
+    for r, event in items:
+        r.emit(event)
 
 
 def logprob_entries(logits: np.ndarray, token: int, top: int) -> dict:
@@ -143,6 +149,8 @@ class Scheduler:
         self.lock = threading.Lock()
         self.metrics = Counter()  # requests_total, prompt_tokens_total, tokens_predicted_total, seconds...
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.loop = None  # an asyncio loop to deliver events on: one wake-up per step, not one per token
+        self.outbox: list = []
 
     def start(self) -> "Scheduler":
         self.thread.start()
@@ -180,6 +188,20 @@ class Scheduler:
 
     # ---- the engine thread
 
+    def send(self, r: Request, event) -> None:
+        self.outbox.append((r, event))
+
+    def flush(self) -> None:
+        """Deliver the step's events: all at once on the loop (a cross-thread wake-up costs a pipe write and a pass of
+        the loop), or here."""
+        items, self.outbox = self.outbox, []
+        if not items:
+            return
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(deliver, items)
+        else:
+            deliver(items)
+
     def run(self) -> None:
         try:
             self.engine, self.tokenizer = self.load()
@@ -199,9 +221,9 @@ class Scheduler:
             try:
                 self.step()
             except Exception as e:  # a bug, not a request's fault: every running request learns of it
-                for r in self.running:
+                for r in list(self.running):
                     self.finish(r, None, error=f"{type(e).__name__}: {e}")
-                self.running = []
+            self.flush()
 
     def admit(self) -> None:
         """Move waiting requests into free slots, oldest first."""
@@ -260,7 +282,7 @@ class Scheduler:
             r.logprobs.append(logprob_entries(logits, t, p.logprobs))
         piece, stopped = r.stream.add(t)
         if piece:
-            r.emit(("text", piece, t))
+            self.send(r, ("text", piece, t))
         if stopped:
             return self.finish(r, "stop", flush=False)
         if len(r.out) == p.max_tokens or len(r.prompt) + len(r.out) >= self.ctx:
@@ -271,16 +293,16 @@ class Scheduler:
         self.cache.free(r.slot)
         self.running.remove(r)
         if error is not None:
-            r.emit(("error", error))
+            self.send(r, ("error", error))
             return
         if reason is None:
             return
         rest = r.stream.flush() if flush else ""  # held back for a stop string that did not come
         if rest:
-            r.emit(("text", rest, None))
+            self.send(r, ("text", rest, None))
         end = time.perf_counter()
         first = r.first_token_at or end
-        r.emit(("done", reason, {
+        self.send(r, ("done", reason, {
             "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "text": r.stream.text[:r.stream.shown],
             "logprobs": r.logprobs, "prompt_ms": (first - r.started_at) * 1e3, "predicted_ms": (end - first) * 1e3,
             "queued_ms": (r.started_at - r.queued_at) * 1e3}))

@@ -130,7 +130,7 @@ class Server:
 
 def create_app(server: Server):
     """The FastAPI application over a (started) scheduler."""
-    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi import Depends, FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -155,15 +155,15 @@ def create_app(server: Server):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
         return error_response(ApiError(e.status_code, str(e.detail), kind))
 
-    @app.middleware("http")
-    async def authorize(request: HttpRequest, call_next):
-        open_paths = ("/", "/health", "/chat.html")
-        if server.api_key and request.url.path not in open_paths:
+    async def authorize(request: HttpRequest):
+        """The API key, where one is set, on every route but the page and /health (a dependency: an HTTP middleware
+        would proxy every streamed chunk through itself)."""
+        if server.api_key and request.url.path not in ("/", "/health"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                               "authentication_error"))
-        return await call_next(request)
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
+
+    app.router.dependencies.append(Depends(authorize))
 
     def require_ready():
         if sched.failed is not None:
@@ -273,8 +273,9 @@ def create_app(server: Server):
         return await respond(request, ids, params, stream, chat=True)
 
     async def respond(request: HttpRequest, ids: list[int], params: Params, stream: bool, chat: bool):
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        req = Request(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        events = asyncio.Queue()
+        sched.loop = asyncio.get_running_loop()  # the scheduler delivers each step's events on it, in one call
+        req = Request(ids, params, events.put_nowait)
         try:
             sched.submit(req)
         except QueueFull:
