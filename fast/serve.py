@@ -11,6 +11,7 @@ status for bad requests (a 503 with Retry-After when the queue is full); an erro
 import asyncio
 import json
 import secrets
+import socket
 import sys
 import time
 from pathlib import Path
@@ -428,6 +429,12 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
         raise UserError(f"-c/--ctx-size must be >= 0, got {ctx_size}")
     if not 0 < port < 65536:
         raise UserError(f"--port must be in [1, 65535], got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:  # as uvicorn will bind it
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
     predictors = default_predictors(path, predictors, dense)
     tokenizer = load_tokenizer(path)  # a bad tokenizer is refused now, not on the engine thread
 

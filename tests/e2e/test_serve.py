@@ -201,8 +201,16 @@ def test_api_key_and_the_full_queue():
         s.stop()
 
 
-def test_bad_flags_are_one_line():
-    r = subprocess.run([sys.executable, "-m", "fast.serve", "-np", "0", "--port", str(free_port())],
+@pytest.mark.parametrize("args, message", [
+    (["-np", "0"], "error: -np/--parallel must be >= 1"),
+    (["-c", "99999"], "error: -c/--ctx-size 99999 exceeds the model's context of 512"),
+    (["/nonexistent"], "error: MODEL_DIR /nonexistent: no such folder or file"),
+    ([], "error: --host 127.0.0.1 --port {busy}: cannot listen there"),
+])
+def test_bad_flags_are_one_line(server, args, message):
+    busy = server.port
+    port = [] if not args else ["--port", str(free_port())]
+    r = subprocess.run([sys.executable, "-m", "fast.serve", *args, *(port or ["--port", str(busy)])],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: -np/--parallel must be >= 1")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(message.format(busy=busy)), r.stderr
     assert "Traceback" not in r.stderr
