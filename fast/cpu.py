@@ -103,7 +103,9 @@ def matmul(out, x, w):
     """out = x @ w.T, each weight row read once for all T tokens.  out: [T, N], x: [T, K], w: [N, K].
 
     Each chunk of rows streams as four quarters (STREAMS); one row at a time was 21 vs 28 GB/s. A row's sum does
-    not depend on the chunks, so neither do the results.
+    not depend on the chunks, so neither do the results. Block formats with 4 or more tokens are compute-bound: a
+    row against four tokens at a time (dot4t unpacks each block once) ran [8, 2048] x [5632, 2048] in 1.0 ms instead
+    of 1.85 (q4_0, 2 threads).
     """
     T, K = x.shape
     N = w.shape[0]
@@ -112,6 +114,14 @@ def matmul(out, x, w):
     xq, xd, xs = quantize_input(x, w)
     for c in prange(C):
         lo, hi = c * N // C, (c + 1) * N // C
+        if T >= 4 and xd.shape[1] > 0:  # q8_0/q4_0, 4+ tokens: each row unpacked once per four tokens (dot4t)
+            for n in range(lo, hi):
+                for t in range(0, T - 3, 4):
+                    s0, s1, s2, s3 = dot4t(w[n], x, xq, xd, xs, t, t + 1, t + 2, t + 3)
+                    out[t, n], out[t + 1, n], out[t + 2, n], out[t + 3, n] = s0, s1, s2, s3
+                for t in range(T - T % 4, T):
+                    out[t, n] = dot(w[n], x[t], xq[t], xd[t], xs[t])
+            continue
         q = (hi - lo) // 4
         for n in range(lo, lo + q):
             for t in range(T):

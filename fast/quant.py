@@ -149,27 +149,42 @@ def _nibbles(builder, p):
 OFFSET = {"q4_0": 8, "q8_0": 128}
 
 
-def _int_dot8(builder, fmt, p, x, corr):
-    """<8 x i32> partial sums of q . x over a block's 32 int8 pairs, x the token's Q8_0 quants (|x| <= 127).
+def _int_operand(builder, fmt, p):
+    """What a block's int8 dot products need of the weight block at p, unpacked once for any number of tokens:
+    vnni: the unsigned quants u = q + OFFSET; avx2: (q, |q|); generic: q widened to 16 bits."""
+    if ISA == "vnni":
+        return _nibbles(builder, p) if fmt.name == "q4_0" else builder.xor(_quants(builder, fmt, p), _splat(I8, 32, -128))
+    q = _quants(builder, fmt, p)
+    if ISA == "generic":
+        return builder.sext(q, _vec(I16, 32))
+    return q, _call(builder, "llvm.x86.avx2.psign.b", _vec(I8, 32), q, q)
+
+
+def _int_dot_with(builder, w, x, corr):
+    """<8 x i32> partial sums of q . x over a block's 32 int8 pairs from its operand w (_int_operand), x the token's
+    Q8_0 quants (|x| <= 127).
 
     vnni: vpdpbusd on the unsigned quants u = q + OFFSET, accumulating onto `corr` (-OFFSET sum(x) in lane 0):
     no sign juggling, 18 % faster than llama.cpp's vpsignb form in a one-core loop. avx2: vpmaddubsw, whose 16-bit
     pair sums would saturate at u = 255, so |q| times x sign(q) as llama.cpp does. generic: 16-bit products."""
     if ISA == "vnni":
-        u = _nibbles(builder, p) if fmt.name == "q4_0" else builder.xor(_quants(builder, fmt, p), _splat(I8, 32, -128))
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _vec(I32, 8), corr, builder.bitcast(u, _vec(I32, 8)),
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _vec(I32, 8), corr, builder.bitcast(w, _vec(I32, 8)),
                      builder.bitcast(x, _vec(I32, 8)))
-    q = _quants(builder, fmt, p)
     if ISA == "generic":
-        prod = builder.mul(builder.sext(q, _vec(I16, 32)), builder.sext(x, _vec(I16, 32)))
+        prod = builder.mul(w, builder.sext(x, _vec(I16, 32)))
         even = builder.sext(builder.shuffle_vector(prod, prod, _lanes(*range(0, 32, 2))), _vec(I32, 16))
         odd = builder.sext(builder.shuffle_vector(prod, prod, _lanes(*range(1, 32, 2))), _vec(I32, 16))
         s = builder.add(even, odd)
         return builder.add(builder.shuffle_vector(s, s, _lanes(*range(8))), builder.shuffle_vector(s, s, _lanes(*range(8, 16))))
-    aq = _call(builder, "llvm.x86.avx2.psign.b", _vec(I8, 32), q, q)
+    q, aq = w
     sx = _call(builder, "llvm.x86.avx2.psign.b", _vec(I8, 32), x, q)
     pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), aq, sx)
     return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), pairs, _splat(I16, 16, 1))
+
+
+def _int_dot8(builder, fmt, p, x, corr):
+    """<8 x i32> partial sums of q . x over the block at p (_int_dot_with its operand)."""
+    return _int_dot_with(builder, _int_operand(builder, fmt, p), x, corr)
 
 
 def _scale(builder, p):
@@ -251,6 +266,52 @@ def block_dot(typingctx, w, x, xd, xs, reach):
         return builder.fadd(_call(builder, "llvm.vector.reduce.fadd.v32f32", F32, ir.Constant(F32, -0.0), acc),
                             _call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0), tail))
     return types.float32(w, x, xd, xs, reach), codegen
+
+
+@intrinsic
+def block_dot4t(typingctx, w, x, xd, xs, t0, t1, t2, t3):
+    """(w . x[t0], ..., w . x[t3]) over a row w [B] of q8_0 or q4_0 blocks and four Q8_0 tokens of x (xq [T, K] int8,
+    xd [T, B] scales, xs [T, B, 8] correction lanes): each block unpacked once for the four tokens."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    bs = fmt.block_bytes
+
+    def codegen(context, builder, sig, args):
+        w_, x_, xd_, xs_ = args[:4]
+        ts = args[4:]
+        n = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, w_).shape)[0]
+        K = cgutils.unpack_tuple(builder, context.make_array(sig.args[1])(context, builder, x_).shape)[1]
+        wp0, xp0 = _data(context, builder, sig.args[0], w_), _data(context, builder, sig.args[1], x_)
+        dp0 = builder.bitcast(_data(context, builder, sig.args[2], xd_), F32.as_pointer())
+        sp0 = builder.bitcast(_data(context, builder, sig.args[3], xs_), _vec(I32, 8).as_pointer())
+        B = builder.sdiv(K, I64(BLOCK))
+        rows = [builder.mul(t, B) for t in ts]  # each token's first block
+
+        def body(b, accs):
+            wp = builder.gep(wp0, [builder.mul(b, I64(bs))])
+            operand, dw = _int_operand(builder, fmt, wp), _scale(builder, wp)
+            out = []
+            for i, row in enumerate(rows):
+                tb = builder.add(row, b)
+                xv = _read(builder, builder.gep(xp0, [builder.mul(tb, I64(BLOCK))]), _vec(I8, 32))
+                dot = _int_dot_with(builder, operand, xv, builder.load(builder.gep(sp0, [tb]), align=4))
+                d = builder.fmul(dw, builder.load(builder.gep(dp0, [tb])))
+                dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(F32, 8), None), d, I32(0)),
+                                            ir.Constant(_vec(F32, 8), None), _lanes(*[0] * 8))
+                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), dv, flags=("fast",))
+                out.append(builder.fadd(builder.extract_value(accs, i), term, flags=("fast",)))
+            packed = ir.Constant(ir.LiteralStructType([_vec(F32, 8)] * 4), None)
+            for i, a in enumerate(out):
+                packed = builder.insert_value(packed, a, i)
+            return packed
+
+        zero = ir.Constant(_vec(F32, 8), [0.0] * 8)
+        accs = _block_loop(builder, n, ir.Constant(ir.LiteralStructType([_vec(F32, 8)] * 4), [zero] * 4), body)
+        sums = [_call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0),
+                      builder.extract_value(accs, i)) for i in range(4)]
+        return context.make_tuple(builder, sig.return_type, sums)
+    return types.UniTuple(types.float32, 4)(w, x, xd, xs, t0, t1, t2, t3), codegen
 
 
 def _axpy_codegen(fmt, rows):
@@ -399,10 +460,8 @@ def _dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
                 s3 += wk * x[t3, k]
             return s0, s1, s2, s3
         return floats
-    return lambda w, x, xq, xd, xs, t0, t1, t2, t3: (dot(w, x[t0], xq[t0], xd[t0], xs[t0]),
-                                                     dot(w, x[t1], xq[t1], xd[t1], xs[t1]),
-                                                     dot(w, x[t2], xq[t2], xd[t2], xs[t2]),
-                                                     dot(w, x[t3], xq[t3], xd[t3], xs[t3]))
+    return lambda w, x, xq, xd, xs, t0, t1, t2, t3: block_dot4t(w, xq, xd, xs, np.int64(t0), np.int64(t1),
+                                                                np.int64(t2), np.int64(t3))
 
 
 def axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):

@@ -193,6 +193,7 @@ SHAPES = [
     # block formats: rows of whole 32-element blocks; one block, several, row counts off the four streams
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("q8_0", "q4_0") for name, shape in (
         ("matmul", dict(T=2, N=301, K=64)), ("matmul", dict(T=1, N=7, K=32)), ("matmul", dict(T=3, N=1, K=96)),
+        ("matmul", dict(T=9, N=37, K=64)),  # rows against four tokens at a time, and a tail token
         ("sparse_ffn", dict(F=100, D=64, n_active=37, kind="relu")), ("sparse_ffn", dict(F=77, D=32, n_active=77, kind="drelu")),
         ("sparse_ffn", dict(F=20, D=32, n_active=0, kind="relu")), ("sparse_ffn", dict(F=9, D=64, n_active=2, kind="relu", chunks=7)),
         ("ffn_block", dict(F=50, D=64, n_active=13, kind="fatrelu")),
