@@ -44,3 +44,38 @@ def test_cached_kernels_are_dropped_when_the_row_operations_change(tmp_path, mon
     (tmp_path / "quant.py").write_text("# quant.py, edited\n")
     cpu.drop_stale_cache(str(tmp_path))
     assert not kernel.exists() and other.exists()
+
+
+@pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_block_dot_products_in_every_isa(monkeypatch, isa, fmt):
+    """The block dot products' IR for each instruction set this machine can run (the kernels use the best one; a
+    machine without VNNI or without AVX2 runs the others): one token and four tokens against ref's values."""
+    import llvmlite.binding as llvm
+    import numpy as np
+    from numba import njit
+
+    from fast import quant
+    from ref.quant import blocks, input_values, quantize, values
+    feats = llvm.get_host_cpu_features()
+    if isa == "vnni" and not (feats.get("avxvnni") or feats.get("avx512vnni")) or isa == "avx2" and not feats.get("avx2"):
+        pytest.skip(f"this CPU cannot run {isa}")
+    monkeypatch.setattr(quant, "ISA", isa)  # read when the intrinsics generate code: compile fresh callers below
+
+    @njit
+    def one(w, x):
+        xq, xd, xs = quant.quantize_input(x, w)
+        return quant.block_dot(w, xq[0], xd[0], xs[0], np.int64(w.shape[0]))
+
+    @njit
+    def four(w, x):
+        xq, xd, xs = quant.quantize_input(x, w)
+        return quant.block_dot4t(w, xq, xd, xs, np.int64(4), np.int64(0), np.int64(2), np.int64(1))
+
+    rng = np.random.default_rng(7)
+    t = quantize(rng.standard_normal((1, 32 * 7)).astype(np.float32), fmt)  # 7 blocks: GROUP's tail too
+    w = blocks(t)[0]
+    x = rng.standard_normal((5, 32 * 7)).astype(np.float32) * 3
+    want = input_values(x, t).astype(np.float64) @ values(w).astype(np.float64)  # [5]
+    np.testing.assert_allclose(one(w, x[:1]), want[0], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(four(w, x), want[[4, 0, 2, 1]], rtol=1e-5, atol=1e-4)
