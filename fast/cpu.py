@@ -421,6 +421,47 @@ def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     att[:] = out.reshape((T, H * E))
 
 
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
+    """self_attention for T sequences' one new token each, in one call: token t of sequence seqs[t] at positions[t]
+    appends its key and value to that sequence's caches and attends to them.  att: [T, H E]; qkv: [T, (H + 2K) E];
+    k_caches, v_caches: typed lists of every slot's [room, K, E] arrays.
+
+    One call per layer instead of one per sequence (13 us each: 1.2 of the 4.3 ms of a 16-sequence step of the
+    shipped model); tokens in parallel, each token's heads in turn."""
+    T = qkv.shape[0]
+    for t in prange(T):
+        kc, vc, p = k_caches[seqs[t]], v_caches[seqs[t]], positions[t]
+        K, E = kc.shape[1], kc.shape[2]
+        H = qkv.shape[1] // E - 2 * K
+        q = np.empty((1, H, E), np.float32)
+        rope(q, qkv[t, : H * E].reshape((1, H, E)), cos, sin, p)
+        rope(kc[p:p + 1], qkv[t, H * E:(H + K) * E].reshape((1, K, E)), cos, sin, p)
+        vc[p] = qkv[t, (H + K) * E:].reshape((K, E))
+        scores = np.empty(p + 1, np.float32)
+        scale = 1.0 / math.sqrt(E)
+        for h in range(H):
+            kv = h // (H // K)
+            m = -np.inf
+            for s in range(p + 1):
+                acc = np.float32(0.0)
+                for e in range(E):
+                    acc += q[0, h, e] * kc[s, kv, e]
+                scores[s] = acc * scale
+                m = max(m, scores[s])
+            total = 0.0
+            for s in range(p + 1):
+                scores[s] = math.exp(scores[s] - m)
+                total += scores[s]
+            out = att[t, h * E:(h + 1) * E]
+            for e in range(E):
+                out[e] = 0.0
+            for s in range(p + 1):
+                w = scores[s] / total
+                for e in range(E):
+                    out[e] += w * vc[s, kv, e]
+
+
 @njit(cache=True, nogil=True)
 def ffn_block(out, acc, h, ffn_norm, bundle, active, n_active, kind, thr, eps):
     """out = sparse_ffn(rmsnorm(h)) for one token over the given active set, as one compiled call.  out, h: [D]."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from numba.typed import List
 from threadpoolctl import threadpool_limits
 
 from fast import blas, cpu
@@ -214,11 +215,27 @@ class Engine(Decoder):
         qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
         k.qkv_proj(qkv, h, L.attn_norm, L.wqkv, eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
-        for seq, a, b in runs:
-            kernels(b - a).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq], self.cos, self.sin,
-                                          batch.positions[a])
+        if len(runs) == T:  # one new token per sequence (decoding together): one call for all of them
+            k_caches, v_caches = self.slot_views(cache, l)
+            cpu.decode_attention(att, qkv, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin)
+        else:
+            for seq, a, b in runs:
+                kernels(b - a).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq], self.cos,
+                                              self.sin, batch.positions[a])
         k.matmul(out, att, L.wo)
         return out
+
+    @staticmethod
+    def slot_views(cache: KVCache, l: int):
+        """Layer l's slot arrays as numba typed lists (an empty array for a free slot), kept with the cache and
+        rebuilt only when its arrays change (cache.version)."""
+        views = getattr(cache, "typed_views", None)
+        if views is None or views[0] != cache.version:
+            empty = np.zeros((0, *cache.shape), F32)
+            lists = [tuple(List([a if a is not None else empty for a in arrays[i]]) for arrays in (cache.k, cache.v))
+                     for i in range(len(cache.k))]
+            views = cache.typed_views = (cache.version, lists)
+        return views[1][l]
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
         """y = sum over the active set of a_i Wd[:, i], the set chosen per token by the selector.  h: [T, D].

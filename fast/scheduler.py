@@ -205,6 +205,9 @@ class Scheduler:
     def run(self) -> None:
         try:
             self.engine, self.tokenizer = self.load()
+            if self.slots > 1:  # compile the several-sequence step now (about 0.3 s), not during the first requests
+                warm = self.engine.new_cache(2, slots=2)
+                self.engine.forward(Batch.of([(0, [0]), (1, [0])], warm), warm)
             self.cache = self.engine.new_cache(self.ctx, slots=self.slots)
             for s in range(self.slots):
                 self.cache.free(s)

@@ -43,6 +43,7 @@ class KVCache:
     shape: tuple  # (K, E)
     alloc: object = host_zeros
     copy: object = host_copy
+    version: int = 0  # counts changes of the slots' arrays (growth, free), for views an engine keeps of them
 
     @staticmethod
     def empty(cfg: ModelConfig, capacity: int, dtype, slots: int = 1, alloc=None, copy=None) -> "KVCache":
@@ -70,6 +71,7 @@ class KVCache:
         self.lengths[seq], self.used[seq] = 0, False
         for layer in (*self.k, *self.v):
             layer[seq] = None
+        self.version += 1
 
     def check_slot(self, seq: int) -> None:
         if not 0 <= seq < self.slots:
@@ -92,6 +94,7 @@ class KVCache:
                 if length:
                     self.copy(new[:length], arrays[seq][:length])
                 arrays[seq] = new
+        self.version += 1
 
     @property
     def nbytes(self) -> int:
