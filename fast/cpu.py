@@ -146,6 +146,33 @@ def rope(out, x, cos, sin, pos0):
                 out[t, h, i + half] = b * cos[p, i] + a * sin[p, i]
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def attend(out, q, k, v, kv, n, scores):
+    """out = softmax(q k[:n, kv]^T / sqrt(E)) v[:n, kv] for one query head.  out, q: [E]; k, v: [S, K, E];
+    scores: [>= n] scratch."""
+    E = q.shape[0]
+    scale = 1.0 / math.sqrt(E)
+    m = -np.inf
+    for s in range(n):
+        acc = np.float32(0.0)
+        for e in range(E):
+            acc += q[e] * k[s, kv, e]
+        acc *= scale
+        scores[s] = acc
+        m = max(m, acc)
+    total = 0.0
+    for s in range(n):
+        p = math.exp(scores[s] - m)
+        scores[s] = p
+        total += p
+    for e in range(E):  # value rows accumulated whole: v[s] is contiguous, v[:, e] strided (3x slower at S=400)
+        out[e] = 0.0
+    for s in range(n):
+        p = scores[s] / total
+        for e in range(E):
+            out[e] += p * v[s, kv, e]
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def attention(out, q, k, v, pos0, scores):
     """Causal softmax(q k^T / sqrt(E)) v; query head h reads kv head h // (H/K).
@@ -154,31 +181,9 @@ def attention(out, q, k, v, pos0, scores):
     """
     T, H, E = q.shape
     S, K = k.shape[0], k.shape[1]
-    group = H // K
-    scale = 1.0 / math.sqrt(E)
     for th in prange(T * H):
         t, h = th // H, th % H
-        kv = h // group
-        n = min(S, pos0 + t + 1)  # visible positions
-        m = -np.inf
-        for s in range(n):
-            acc = np.float32(0.0)
-            for e in range(E):
-                acc += q[t, h, e] * k[s, kv, e]
-            acc *= scale
-            scores[th, s] = acc
-            m = max(m, acc)
-        total = 0.0
-        for s in range(n):
-            p = math.exp(scores[th, s] - m)
-            scores[th, s] = p
-            total += p
-        for e in range(E):  # value rows accumulated whole: v[s] is contiguous, v[:, e] strided (3x slower at S=400)
-            out[t, h, e] = 0.0
-        for s in range(n):
-            p = scores[th, s] / total
-            for e in range(E):
-                out[t, h, e] += p * v[s, kv, e]
+        attend(out[t, h], q[t, h], k, v, h // (H // K), min(S, pos0 + t + 1), scores[th])
 
 
 @intrinsic
@@ -439,27 +444,8 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
         rope(kc[p:p + 1], qkv[t, H * E:(H + K) * E].reshape((1, K, E)), cos, sin, p)
         vc[p] = qkv[t, (H + K) * E:].reshape((K, E))
         scores = np.empty(p + 1, np.float32)
-        scale = 1.0 / math.sqrt(E)
         for h in range(H):
-            kv = h // (H // K)
-            m = -np.inf
-            for s in range(p + 1):
-                acc = np.float32(0.0)
-                for e in range(E):
-                    acc += q[0, h, e] * kc[s, kv, e]
-                scores[s] = acc * scale
-                m = max(m, scores[s])
-            total = 0.0
-            for s in range(p + 1):
-                scores[s] = math.exp(scores[s] - m)
-                total += scores[s]
-            out = att[t, h * E:(h + 1) * E]
-            for e in range(E):
-                out[e] = 0.0
-            for s in range(p + 1):
-                w = scores[s] / total
-                for e in range(E):
-                    out[e] += w * vc[s, kv, e]
+            attend(att[t, h * E:(h + 1) * E], q[0, h], kc, vc, h // (H // K), p + 1, scores)
 
 
 @njit(cache=True, nogil=True)
