@@ -136,7 +136,7 @@ def predictor(out, hidden, h, fc1, fc2):
 
 def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
     """Same contract as fast.cpu.sparse_ffn_batch (acc unused): the union's bundles decoded once (a float32 model's
-    whole bundle read in place when every neuron is in it), then three GEMMs with each token's activations masked to
+    whole bundle read in place, the outside masked, when the union is nearly all of it: IN_PLACE), then three GEMMs with each token's activations masked to
     its own set: out = (mask * a(x Wg_U^T, x Wu_U^T)) Wd_U."""
     F, T = bundle.shape[0], x.shape[0]
     if bundle.dtype == F32 and (F - n_active) * T < IN_PLACE * n_active:

@@ -4,8 +4,9 @@ extra), on one machine or a Ray cluster.
 PowerInfer's speed comes from locality inside one box (hot neurons on its GPU, cold ones in the same host's memory),
 so a model is not split across machines: each replica is a complete server (its engine thread, slots and queue, one
 GPU and its CPU), and Ray Serve spreads requests over the replicas (data parallelism). A replica's routes are
-fast.serve's, built on the replica (`serve.ingress` with a builder); Ray's health check asks the replica's scheduler
-(`check_health`), and /health and /metrics answer per replica for an outside router.
+fast.serve's, built on the replica (`serve.ingress` with a builder) once its model is loaded, since Ray's router does
+not ask /health; Ray's health check asks the replica's scheduler (`check_health`), and /health and /metrics answer
+per replica for an outside router.
 """
 
 import os
@@ -20,20 +21,21 @@ from ref.common.errors import UserError
 _replica: dict = {}  # this replica process's scheduler (each Ray Serve replica is its own process)
 
 
-def build_app(path: str, slots: int, ctx_size: int | None, batch_size: int, max_queue: int, threads: int | None,
-              device: str, dense: bool, alias: str, api_key: str | None):
+def build_app(path: str, slots: int, ctx_size: int, batch_size: int, max_queue: int, threads: int | None,
+              device: str, dense: bool, alias: str | None, api_key: str | None):
     """fast.serve's application over a scheduler that loads the model on its engine thread (run on the replica)."""
-    from fast.load import default_predictors, load_engine
-    from fast.scheduler import Scheduler
-    from fast.serve import Server, create_app
-    from ref.common.tokenizer import load_tokenizer
+    from fast.load import default_predictors
+    from fast.serve import serving
 
     model = Path(path)
-    predictors = default_predictors(model, None, dense)
-    scheduler = Scheduler(lambda: (load_engine(model, device=device, predictors=predictors, threads=threads),
-                                   load_tokenizer(model)), slots, ctx_size, batch_size, max_queue).start()
-    _replica["scheduler"] = scheduler
-    return create_app(Server(scheduler, model, alias, api_key))
+    server, app = serving(model, slots, ctx_size, batch_size, max_queue, alias, api_key, device=device,
+                          predictors=default_predictors(model, None, dense), threads=threads)
+    scheduler = _replica["scheduler"] = server.scheduler
+    # Ray's router sends requests to a replica once it is built, without asking /health: build it loaded.
+    while not scheduler.ready.wait(0.1):
+        if scheduler.failed is not None:
+            raise scheduler.failed
+    return app
 
 
 class Replica:
@@ -46,15 +48,14 @@ class Replica:
             raise RuntimeError(f"the model failed to load: {s.failed}")
 
 
-def application(path: Path, replicas: int, slots: int = 4, ctx_size: int | None = None, batch_size: int = 512,
+def application(path: Path, replicas: int, slots: int = 4, ctx_size: int = 0, batch_size: int = 512,
                 max_queue: int = 64, threads: int | None = None, device: str = "cpu", dense: bool = False,
                 alias: str | None = None, api_key: str | None = None, cpus_per_replica: float | None = None):
     """A Ray Serve application of `replicas` fast.serve replicas (serve.run it)."""
     from ray import serve
 
     def build():  # a plain function: Ray Serve takes any other callable for the ASGI app itself
-        return build_app(str(path), slots, ctx_size, batch_size, max_queue, threads, device, dense, alias or path.name,
-                         api_key)
+        return build_app(str(path), slots, ctx_size, batch_size, max_queue, threads, device, dense, alias, api_key)
     options = {"num_cpus": cpus_per_replica if cpus_per_replica is not None else (threads or 1)}
     if device != "cpu":
         options["num_gpus"] = 1
@@ -91,7 +92,7 @@ def main(model_dir, model, replicas, host, port, slots, ctx_size, threads, devic
     path = resolve_model(model_dir, model).resolve()
     ray.init(address=address, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(path, replicas, slots, ctx_size or None, threads=threads, device=device, dense=dense,
+    serve.run(application(path, replicas, slots, ctx_size, threads=threads, device=device, dense=dense,
                           alias=alias, api_key=api_key), route_prefix="/", blocking=True)
 
 

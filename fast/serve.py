@@ -129,6 +129,26 @@ class Server:
         return self.template
 
 
+def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: int, alias: str | None,
+            api_key: str | None, **engine_options) -> tuple[Server, object]:
+    """A started scheduler, which loads the model on its engine thread (fast.load.load_engine with `engine_options`),
+    and the application over it: what fast.serve and each fast.replicas replica run."""
+    from fast.load import load_engine
+    from ref.common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path)  # a bad tokenizer is refused now, not on the engine thread
+
+    def load():
+        engine = load_engine(path, **engine_options)
+        if ctx_size > engine.config.max_seq_len:
+            raise UserError(f"-c/--ctx-size {ctx_size} exceeds the model's context of {engine.config.max_seq_len}")
+        return engine, tokenizer
+
+    server = Server(Scheduler(load, slots, ctx_size or None, batch_size, max_queue).start(), path, alias or path.name,
+                    api_key)
+    return server, create_app(server)
+
+
 def create_app(server: Server):
     """The FastAPI application over a (started) scheduler."""
     from fastapi import Depends, FastAPI, Request as HttpRequest
@@ -421,8 +441,7 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
         import uvicorn
     except ImportError:
         raise UserError("fast.serve needs FastAPI and uvicorn: pip install -e '.[server]'") from None
-    from fast.load import default_predictors, load_engine
-    from ref.common.tokenizer import load_tokenizer
+    from fast.load import default_predictors
 
     path = resolve_model(model_dir, model)
     if ctx_size < 0:
@@ -435,19 +454,10 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
             probe.bind((host, port))
         except OSError as e:
             raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
-    predictors = default_predictors(path, predictors, dense)
-    tokenizer = load_tokenizer(path)  # a bad tokenizer is refused now, not on the engine thread
-
-    def load():
-        engine = load_engine(path, device=device, predictors=predictors, threads=threads, type_=type_,
-                             vram_budget=vram_budget)
-        if ctx_size > engine.config.max_seq_len:
-            raise UserError(f"-c/--ctx-size {ctx_size} exceeds the model's context of {engine.config.max_seq_len}")
-        return engine, tokenizer
-
-    scheduler = Scheduler(load, slots, ctx_size or None, batch_size, max_queue).start()
-    server = Server(scheduler, path, alias or path.name, api_key)
-    app = create_app(server)
+    server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, device=device,
+                          predictors=default_predictors(path, predictors, dense), threads=threads, type_=type_,
+                          vram_budget=vram_budget)
+    scheduler = server.scheduler
     click.echo(f"loading {path} on the engine thread; serving http://{host}:{port} (/health is 503 until loaded)",
                err=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
