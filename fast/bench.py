@@ -6,6 +6,8 @@ Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V v
 import subprocess
 import sys
 import time
+import zlib
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fast import cpu
-from fast.engine import Engine, Layer, Selector
+from fast.engine import Engine, Selector
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.config import ModelConfig
@@ -21,22 +23,37 @@ from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
 from ref.common.gguf_io import Planned, model_kv, write_gguf
 from ref.common.names import expected_shapes, gguf_name
+from ref.common.weights import Weights
 from ref.quant import Quantized, quantize
 
 F32 = np.float32
 
 
-def random_engine(cfg: ModelConfig, threads: int, seed: int = 0) -> Engine:
-    """Random float32 weights laid out as Engine.load lays out a checkpoint (values scaled to keep activations O(1))."""
-    rng = np.random.default_rng(seed)
-    D, F, E = cfg.d_model, cfg.d_ffn, cfg.head_dim
+class RandomTensors(Mapping):
+    """A config's tensors by our names (ref.common.names.expected_shapes), each drawn when it is read: matrices
+    uniform with values scaled to keep activations O(1), norms 1, biases 0. Laid out by Engine.load, they make a
+    synthetic model of any family holding one tensor at a time beside the layout."""
 
-    def mat(*shape):
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        self.shapes, self.seed = expected_shapes(cfg), seed
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            return (np.zeros if name.endswith(".bias") else np.ones)(shape, F32)
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         return (rng.random(shape, dtype=F32) - F32(0.5)) * F32(2 * np.sqrt(3 / shape[-1]))
 
-    layers = [Layer(np.ones(D, F32), mat((cfg.n_heads + 2 * cfg.n_kv_heads) * E, D), mat(D, cfg.n_heads * E),
-                    np.ones(D, F32), mat(F, 3, D)) for _ in range(cfg.n_layers)]
-    return Engine(cfg, layers, mat(cfg.vocab_size, D), np.ones(D, F32), mat(cfg.vocab_size, D), threads)
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self):
+        return len(self.shapes)
+
+
+def random_engine(cfg: ModelConfig, threads: int, seed: int = 0) -> Engine:
+    """Random float32 weights laid out as Engine.load lays out a checkpoint."""
+    return Engine.load(Weights(cfg, RandomTensors(cfg, seed)), threads)
 
 
 def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:

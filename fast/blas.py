@@ -83,11 +83,12 @@ def matmul(out, x, w):
     gemm(out, inputs(x, w), dense(w).T)
 
 
-def qkv_proj(qkv, h, attn_norm, wqkv, eps):
+def qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps):
     """Same contract as fast.cpu.qkv_proj."""
     x = np.empty_like(h)
-    cpu.rmsnorm(x, h, attn_norm, eps)
+    cpu.norm(x, h, attn_norm, attn_norm_b, eps)
     matmul(qkv, x, wqkv)
+    cpu.add_bias(qkv, bqkv)
 
 
 def attention(out, q, k, v, pos0, scores=None):
@@ -134,21 +135,30 @@ def predictor(out, hidden, h, fc1, fc2):
     matmul(out, hidden, fc2)
 
 
-def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
+def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, thr):
     """Same contract as fast.cpu.sparse_ffn_batch (acc unused): the union's bundles decoded once (a float32 model's
-    whole bundle read in place, the outside masked, when the union is nearly all of it: IN_PLACE), then three GEMMs with each token's activations masked to
-    its own set: out = (mask * a(x Wg_U^T, x Wu_U^T)) Wd_U."""
-    F, T = bundle.shape[0], x.shape[0]
+    whole bundle read in place, the outside masked, when the union is nearly all of it: IN_PLACE), then a GEMM per
+    row of the bundle with each token's activations masked to its own set: out = (mask * a(g, u)) Wd_U, with
+    g, u = x Wg_U^T, x Wu_U^T (gated) or x Wu_U^T + bu_U, 1."""
+    F, T, P = bundle.shape[0], x.shape[0], bundle.shape[1]
+    ids = active[:n_active]
     if bundle.dtype == F32 and (F - n_active) * T < IN_PLACE * n_active:
-        b = bundle  # [F, 3, D]: strided views are BLAS operands as they are; the neurons outside the union masked
+        b = bundle  # [F, P, D]: strided views are BLAS operands as they are; the neurons outside the union masked
         whole = np.zeros((T, F), np.uint8)
-        whole[:, active[:n_active]] = mask[:, :n_active]
+        whole[:, ids] = mask[:, :n_active]
         mask = whole
+        ids = slice(None)
     else:
-        b = dense(bundle, active[:n_active])  # [U, 3, D]
+        b = dense(bundle, ids)  # [U, P, D]
     xin = inputs(x, bundle)  # [T, D]
-    g, u = np.empty((T, b.shape[0]), F32), np.empty((T, b.shape[0]), F32)  # [T, U]
+    g = np.empty((T, b.shape[0]), F32)  # [T, U]
     gemm(g, xin, b[:, 0, :].T)
-    gemm(u, xin, b[:, 1, :].T)
+    if bias.size:
+        g += bias[ids]
+    if P == 3:
+        u = np.empty_like(g)
+        gemm(u, xin, b[:, 1, :].T)
+    else:
+        u = np.ones_like(g)
     cpu.masked_activation(g, g, u, mask, kind, thr)
-    gemm(out, g, b[:, 2, :])
+    gemm(out, g, b[:, P - 1, :])

@@ -15,7 +15,7 @@ from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format, format_of
 from ref.common.gguf_io import Planned, model_kv, rope_rows, tokenizer_kv, write_gguf, THRESHOLD_KEY
-from ref.common.names import expected_shapes, gguf_name
+from ref.common.names import GGUF_NAMES, expected_shapes, gguf_name
 from ref.common.progress import Progress
 from ref.common.safetensors import upcast
 from ref.common.weights import Weights
@@ -66,6 +66,9 @@ def main(model_dir, out, type_, predictors, dense, force):
         raise UserError("--dense and --predictors contradict each other")
     out = output_file(out, force, "-o")
     cfg = ModelConfig.from_hf(model_dir)
+    if cfg.family not in GGUF_NAMES:
+        raise UserError(f"{model_dir}: GGUF conversion writes the LLaMA family; this is a {cfg.architecture} "
+                        f"({cfg.family}), which runs from its HF folder")
     w = Weights.load(model_dir, cfg)
     tok_file = model_dir / "tokenizer.json"
     if not tok_file.is_file():

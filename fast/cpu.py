@@ -74,7 +74,7 @@ def drop_stale_cache(here: str = os.path.dirname(os.path.abspath(__file__))) -> 
 drop_stale_cache()
 
 # FFN kinds as kernel constants (ref.model.ffn_activation's names).
-KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3}
+KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3, "gelu": 4}
 # Row chunks per matmul: one per MiB of weights (256 KiB per stream: 64 chunks lost 12 % on a predictor's fc1
 # [512, 2048] and 4 % on its fc2 [5632, 512] against 8 or 16), at least 16 to keep 16 cores busy, at most 64.
 MATMUL_CHUNKS = (16, 64, 1 << 18)  # fewest, most, weights per chunk
@@ -96,6 +96,44 @@ def rmsnorm(out, x, w, eps):
         r = 1.0 / math.sqrt(ss / D + eps)
         for d in range(D):
             out[t, d] = x[t, d] * r * w[d]
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def layernorm(out, x, w, b, eps):
+    """out = (x - mean(x)) / sqrt(var(x) + eps) * w + b.  out, x: [T, D], w, b: [D]."""
+    T, D = x.shape
+    for t in range(T):
+        m = 0.0
+        for d in range(D):
+            m += x[t, d]
+        m /= D
+        ss = 0.0
+        for d in range(D):
+            ss += (x[t, d] - m) * (x[t, d] - m)
+        r = 1.0 / math.sqrt(ss / D + eps)
+        for d in range(D):
+            out[t, d] = (x[t, d] - m) * r * w[d] + b[d]
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def norm(out, x, w, b, eps):
+    """The norm a layout stores (fast.engine.Layer): none (w empty: out = x), RMSNorm (w), LayerNorm (w and b).
+    out may be x.  out, x: [T, D]; w, b: [D] or [0]."""
+    if w.size == 0:
+        out[:] = x
+    elif b.size == 0:
+        rmsnorm(out, x, w, eps)
+    else:
+        layernorm(out, x, w, b, eps)
+
+
+@njit(cache=True, nogil=True)
+def add_bias(out, b):
+    """out[t] += b for every row, where there is a bias (b: [N] or [0]).  out: [T, N]."""
+    if b.size:
+        for t in range(out.shape[0]):
+            for n in range(b.size):
+                out[t, n] += b[n]
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
@@ -209,7 +247,9 @@ def activation_py(kind, g, u, thr):
         return g * u if g > thr else 0.0
     if kind == 2:
         return g * u if (g > 0 and u > 0) else 0.0
-    return g / (1.0 + math.exp(-g)) * u
+    if kind == 3:
+        return g / (1.0 + math.exp(-g)) * u
+    return 0.5 * g * (1.0 + math.erf(g * 0.7071067811865476)) * u
 
 
 activation = njit(inline="always")(activation_py)
@@ -226,19 +266,30 @@ def sum_chunks(out, acc):
         out[n] = s
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
-    """out = sum_{j < n_active} a_i bundle[i, 2], i = active[j], a_i = a(bundle[i, 0].x, bundle[i, 1].x): PowerInfer's
-    neuron-aware operator, gate/up rows and the down column of a neuron read as one contiguous bundle.
+@njit(fastmath=FASTMATH, inline="always")
+def pre_activations(b, bias, i, x, xq, xd, xs):
+    """(g, u) of neuron i with bundle b for one token (ref.model.Model.ffn_gate_up): gate and up rows, or a
+    non-gated bundle's up row plus its bias and u = 1."""
+    g = dot(b[0], x, xq, xd, xs)
+    if bias.size:
+        g += bias[i]
+    return g, dot(b[1], x, xq, xd, xs) if b.shape[0] == 3 else np.float32(1.0)
 
-    out: [D]; acc: [C, D] per-chunk private accumulators; x: [D]; bundle: [F, 3, D] (gate, up, down^T);
-    active: [>= n_active].
-    Four neurons stream at once, one from each quarter of the chunk (STREAMS), in three passes (gate rows, up rows,
-    down rows) so that each stream reads its bundles front to back: +3 % over all neurons and +6 % over a 10 % set
-    against gate and up in one pass. A lane whose next neuron is not adjacent prefetches the first line of its
-    three rows, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent ones: -3 %).
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
+    """out = sum_{j < n_active} a_i down_i, i = active[j], a_i = a(g_i, u_i) (pre_activations): PowerInfer's
+    neuron-aware operator, a neuron's rows read as one contiguous bundle.
+
+    out: [D]; acc: [C, D] per-chunk private accumulators; x: [D]; bundle: [F, 3, D] (gate, up, down^T) or [F, 2, D]
+    (a non-gated FFN's up, down^T); bias: [F] the non-gated up rows' bias, or [0]; active: [>= n_active].
+    Four neurons stream at once, one from each quarter of the chunk (STREAMS), in passes over their gate rows, up
+    rows and down rows so that each stream reads its bundles front to back: +3 % over all neurons and +6 % over a
+    10 % set against gate and up in one pass. A lane whose next neuron is not adjacent prefetches the first line of
+    its rows, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent ones: -3 %).
     """
     C, D = acc.shape
+    P = bundle.shape[1]
     xq, xd, xs = quantize_input(x.reshape((1, D)), bundle)
     xq0, xd0, xs0 = xq[0], xd[0], xs[0]
     span = prefetch_span(bundle)
@@ -254,33 +305,38 @@ def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
                 for k in range(4):
                     nxt = active[j + 1 + k * q]
                     if nxt != active[j + k * q] + 1:
-                        for part in range(3):
+                        for part in range(P):
                             for off in range(0, span, 64):
-                                prefetch(bundle, (nxt * 3 + part) * bundle.shape[2], off)
-            b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [3, D] each
+                                prefetch(bundle, (nxt * P + part) * bundle.shape[2], off)
+            b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [P, D] each
             g0, g1, g2, g3 = dot4(b0[0], b1[0], b2[0], b3[0], x, xq0, xd0, xs0)
-            u0, u1, u2, u3 = dot4(b0[1], b1[1], b2[1], b3[1], x, xq0, xd0, xs0)
+            if bias.size:
+                g0, g1, g2, g3 = g0 + bias[i0], g1 + bias[i1], g2 + bias[i2], g3 + bias[i3]
+            one = np.float32(1.0)
+            u0, u1, u2, u3 = dot4(b0[1], b1[1], b2[1], b3[1], x, xq0, xd0, xs0) if P == 3 else (one, one, one, one)
             a0 = np.float32(activation(kind, g0, u0, thr))
             a1 = np.float32(activation(kind, g1, u1, thr))
             a2 = np.float32(activation(kind, g2, u2, thr))
             a3 = np.float32(activation(kind, g3, u3, thr))
-            axpy4(y, a0, a1, a2, a3, b0[2], b1[2], b2[2], b3[2])
+            axpy4(y, a0, a1, a2, a3, b0[P - 1], b1[P - 1], b2[P - 1], b3[P - 1])
         for j in range(lo + 4 * q, hi):
             b = bundle[active[j]]
-            a = np.float32(activation(kind, dot(b[0], x, xq0, xd0, xs0), dot(b[1], x, xq0, xd0, xs0), thr))
-            axpy(y, a, b[2])
+            g, u = pre_activations(b, bias, active[j], x, xq0, xd0, xs0)
+            axpy(y, np.float32(activation(kind, g, u, thr)), b[P - 1])
     sum_chunks(out, acc)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
-    """out[t] = sum over j < n_active with mask[t, j] of a_tj bundle[i, 2], i = active[j]: each token's sparse FFN
+def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, thr):
+    """out[t] = sum over j < n_active with mask[t, j] of a_tj down_i, i = active[j]: each token's sparse FFN
     over its own predicted set, the chunk's neurons (the union of the sets) each read once for all T tokens.
 
-    out: [T, D]; acc: [C, T, D] per-chunk private accumulators; x: [T, D]; mask: [T, >= n_active] uint8 (token t
-    computes union neuron j). A neuron's tokens go four at a time (dot4t, axpy4t: each row element loaded once for
-    four tokens); a single token's neuron whose activation is 0 skips its down row."""
+    out: [T, D]; acc: [C, T, D] per-chunk private accumulators; x: [T, D]; bundle, bias: as sparse_ffn's;
+    mask: [T, >= n_active] uint8 (token t computes union neuron j). A neuron's tokens go four at a time (dot4t,
+    axpy4t: each row element loaded once for four tokens); a single token's neuron whose activation is 0 skips its
+    down row."""
     C, T, D = acc.shape
+    P = bundle.shape[1]
     xq, xd, xs = quantize_input(x, bundle)
     for c in prange(C):
         lo, hi = c * n_active // C, (c + 1) * n_active // C
@@ -290,30 +346,33 @@ def sparse_ffn_batch(out, acc, x, bundle, active, n_active, mask, kind, thr):
                 y[t, d] = 0.0
         tokens, acts = np.empty(T, np.int64), np.empty(T, np.float32)  # a neuron's tokens and their activations
         for j in range(lo, hi):
-            b = bundle[active[j]]
+            i = active[j]
+            b = bundle[i]
             n = 0
             for t in range(T):
                 tokens[n] = t
                 n += mask[t, j] != 0
+            bi = bias[i] if bias.size else np.float32(0.0)
+            one = np.float32(1.0)
             for k in range(0, n - 3, 4):  # gate and up rows read once for four tokens
                 t0, t1, t2, t3 = tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3]
                 g0, g1, g2, g3 = dot4t(b[0], x, xq, xd, xs, t0, t1, t2, t3)
-                u0, u1, u2, u3 = dot4t(b[1], x, xq, xd, xs, t0, t1, t2, t3)
-                acts[k], acts[k + 1] = activation(kind, g0, u0, thr), activation(kind, g1, u1, thr)
-                acts[k + 2], acts[k + 3] = activation(kind, g2, u2, thr), activation(kind, g3, u3, thr)
+                u0, u1, u2, u3 = dot4t(b[1], x, xq, xd, xs, t0, t1, t2, t3) if P == 3 else (one, one, one, one)
+                acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
+                acts[k + 2], acts[k + 3] = activation(kind, g2 + bi, u2, thr), activation(kind, g3 + bi, u3, thr)
             for k in range(n - n % 4, n):
                 t = tokens[k]
-                acts[k] = activation(kind, dot(b[0], x[t], xq[t], xd[t], xs[t]), dot(b[1], x[t], xq[t], xd[t], xs[t]),
-                                     thr)
+                g, u = pre_activations(b, bias, i, x[t], xq[t], xd[t], xs[t])
+                acts[k] = activation(kind, g, u, thr)
             m = 0  # the tokens whose activation is not 0: only they add the down row
             for k in range(n):
                 tokens[m], acts[m] = tokens[k], acts[k]
                 m += acts[k] != 0
             for k in range(0, m - 3, 4):  # the down row read once for four tokens
                 axpy4t(y, tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3], acts[k], acts[k + 1], acts[k + 2],
-                       acts[k + 3], b[2])
+                       acts[k + 3], b[P - 1])
             for k in range(m - m % 4, m):
-                axpy(y[tokens[k]], acts[k], b[2])
+                axpy(y[tokens[k]], acts[k], b[P - 1])
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
@@ -383,10 +442,11 @@ def normalize_rows(p):
 
 
 @njit(cache=True, nogil=True)
-def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):
-    """out = wo . attention(rope(q), rope(k), v), [q; k; v] = wqkv . rmsnorm(h), for one sequence's run; this step's
-    keys and values are written to its caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D];
-    wo: [D, H E]; k_cache, v_cache: [room, K, E].
+def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_cache, v_cache, cos, sin, pos0, eps):
+    """out = wo . attention(rope(q), rope(k), v) + bo, [q; k; v] = wqkv . norm(h) + bqkv, for one sequence's run;
+    this step's keys and values are written to its caches at pos0..pos0+T-1.  out, h: [T, D];
+    wqkv: [(H + 2K) E, D]; wo: [D, H E]; k_cache, v_cache: [room, K, E]; norm and biases as `norm`, `add_bias` take
+    them.
 
     One compiled call per layer instead of six calls from Python and the numpy glue between them: once a token's
     weights have streamed through the caches, every Python-side step runs from memory (an empty parallel kernel
@@ -395,18 +455,20 @@ def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos
     T = h.shape[0]
     K, E = k_cache.shape[1], k_cache.shape[2]
     qkv = np.empty((T, wqkv.shape[0]), np.float32)
-    qkv_proj(qkv, h, attn_norm, wqkv, eps)
+    qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
     att = np.empty((T, qkv.shape[1] - 2 * K * E), np.float32)  # [T, H E]
     self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0)
     matmul(out, att, wo)
+    add_bias(out, bo)
 
 
 @njit(cache=True, nogil=True)
-def qkv_proj(qkv, h, attn_norm, wqkv, eps):
-    """qkv = wqkv . rmsnorm(h), every token's row read once.  qkv: [T, (H + 2K) E]; h: [T, D]."""
+def qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps):
+    """qkv = wqkv . norm(h) + bqkv, every token's row read once.  qkv: [T, (H + 2K) E]; h: [T, D]."""
     x = np.empty_like(h)
-    rmsnorm(x, h, attn_norm, eps)
+    norm(x, h, attn_norm, attn_norm_b, eps)
     matmul(qkv, x, wqkv)
+    add_bias(qkv, bqkv)
 
 
 @njit(cache=True, nogil=True)
@@ -449,11 +511,13 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
 
 
 @njit(cache=True, nogil=True)
-def ffn_block(out, acc, h, ffn_norm, bundle, active, n_active, kind, thr, eps):
-    """out = sparse_ffn(rmsnorm(h)) for one token over the given active set, as one compiled call.  out, h: [D]."""
+def ffn_block(out, acc, h, ffn_norm, ffn_norm_b, bundle, bias, bd, active, n_active, kind, thr, eps):
+    """out = sparse_ffn(norm(h)) + bd for one token over the given active set, as one compiled call.
+    out, h: [D]; bd: [D] or [0]."""
     x = np.empty_like(h)
-    rmsnorm(x.reshape((1, x.size)), h.reshape((1, h.size)), ffn_norm, eps)
-    sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr)
+    norm(x.reshape((1, x.size)), h.reshape((1, h.size)), ffn_norm, ffn_norm_b, eps)
+    sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr)
+    add_bias(out.reshape((1, out.size)), bd)
 
 
 @njit(cache=True, nogil=True)

@@ -12,7 +12,7 @@ V vocab, R predictor hidden size, C accumulator chunks.
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numba
@@ -31,7 +31,7 @@ from ref.common.formats import FORMATS, Format
 from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
-from ref.model import rope_angles
+from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles
 from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, values
 
 F32 = np.float32
@@ -41,16 +41,27 @@ F32 = np.float32
 FFN_CHUNK = 512
 
 
+EMPTY = np.zeros(0, F32)  # an absent norm or bias, as the kernels take it (fast.cpu.norm, add_bias)
+
+
 @dataclass
 class Layer:
     """One block's weights in kernel layout, contiguous: matrices as rows of their format's blocks
-    (`Format.dtype`), norms float32; FFN neuron-major with each neuron's rows bundled."""
+    (`Format.dtype`), norms and biases float32 (EMPTY where the family has none); FFN neuron-major with each
+    neuron's rows bundled. Post-norm blocks keep their norms (applied after each residual add) in attn_norm and
+    ffn_norm."""
 
     attn_norm: np.ndarray  # [D]
-    wqkv: np.ndarray  # [(H + 2K) E, D]
+    wqkv: np.ndarray  # [(H + 2K) E, D]: all q rows, then k, then v
     wo: np.ndarray  # [D, H E]
-    ffn_norm: np.ndarray  # [D]
-    bundle: np.ndarray  # [F, 3, D]: row i = (gate_i, up_i, down[:, i])
+    ffn_norm: np.ndarray  # [D] (EMPTY where the FFN shares attention's)
+    bundle: np.ndarray  # [F, 3, D]: row i = (gate_i, up_i, down[:, i]); non-gated [F, 2, D]: (up_i, down[:, i])
+    attn_norm_b: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] LayerNorm's bias
+    bqkv: np.ndarray = field(default_factory=lambda: EMPTY)  # [(H + 2K) E]
+    bo: np.ndarray = field(default_factory=lambda: EMPTY)  # [D]
+    ffn_norm_b: np.ndarray = field(default_factory=lambda: EMPTY)  # [D]
+    bu: np.ndarray = field(default_factory=lambda: EMPTY)  # [F] the up rows' bias (non-gated)
+    bd: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] the down matrix's bias
 
 
 def as_format(t, fmt: Format) -> np.ndarray:
@@ -59,28 +70,39 @@ def as_format(t, fmt: Format) -> np.ndarray:
     return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt))
 
 
-def layout_llama(w: Weights, l: int, fmt: Format) -> Layer:
-    """A LLaMA block with its matrices in `fmt`: q, k, v fused; gate row, up row and down column of each neuron in
-    one bundle (the down matrix transposed, as PowerInfer's ffn_down_t)."""
-    p = f"layers.{l}."
+def layout(w: Weights, l: int, fmt: Format) -> Layer:
+    """Block l with its matrices in `fmt`: q, k, v fused as [q | k | v] (a fused checkpoint matrix reordered so,
+    ref.model.qkv_rows); each neuron's gate row, up row and down column in one bundle (the down matrix transposed,
+    as PowerInfer's ffn_down_t); norms and biases as the checkpoint has them."""
+    c, p = w.config, f"layers.{l}."
 
     def vec(name):
-        return np.ascontiguousarray(upcast(w[p + name], F32))
+        return np.ascontiguousarray(upcast(w[p + name], F32)) if p + name in w.tensors else EMPTY
 
     def mat(name):
         return as_format(w[p + name], fmt)
 
-    bundle = np.empty((w.config.d_ffn, 3, w.config.d_model // fmt.block), fmt.dtype)
-    bundle[:, 0], bundle[:, 1], bundle[:, 2] = mat("wg"), mat("wu"), as_format(w[p + "wd"].T, fmt)
-    return Layer(vec("attn_norm"), np.concatenate([mat("wq"), mat("wk"), mat("wv")]), mat("wo"), vec("ffn_norm"), bundle)
-
-
-LAYOUTS = {"llama": layout_llama}  # family -> its block's kernel layout
+    if c.fused_qkv:
+        rows = qkv_rows(c.n_heads, c.n_kv_heads, c.head_dim)
+        wqkv, bqkv = as_format(w[p + "wqkv"], fmt)[rows], vec("wqkv.bias")[rows] if c.bias else EMPTY
+    else:
+        wqkv = np.concatenate([mat("wq"), mat("wk"), mat("wv")])
+        bqkv = np.concatenate([vec("wq.bias"), vec("wk.bias"), vec("wv.bias")])
+    rows = ["wg", "wu"] if c.gated else ["wu"]
+    bundle = np.empty((c.d_ffn, len(rows) + 1, c.d_model // fmt.block), fmt.dtype)
+    for i, name in enumerate(rows):
+        bundle[:, i] = mat(name)
+    bundle[:, -1] = as_format(w[p + "wd"].T, fmt)
+    return Layer(vec("attn_norm"), wqkv, mat("wo"), vec("ffn_norm"), bundle, vec("attn_norm.bias"), bqkv,
+                 vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"))
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [P, E/2] for every position, computed in float64 as ref.model.rope does."""
+    """cos, sin [P, E/2] for every position, computed in float64 as ref.model.rope does; a family without RoPE
+    rotates by 0 (cos 1, sin 0), so that one attention kernel serves all."""
     ang = rope_angles(np.arange(cfg.max_seq_len), cfg.head_dim, cfg.rope_theta)  # [P, E/2]
+    if cfg.positions != "rope":
+        ang = np.zeros_like(ang)
     return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
 
 
@@ -137,12 +159,17 @@ def stored_format(w: Weights) -> Format:
 class Engine(Decoder):
     """Prefill and decode on the CPU with a preallocated KV cache."""
 
-    file_predictors = None  # a PowerInfer file's own predictors
+    file_predictors = None  # the checkpoint's own predictors (a PowerInfer file's, TurboSparse's)
 
     def __init__(self, config: ModelConfig, layers: list[Layer], embed: np.ndarray, norm: np.ndarray,
-                 lm_head: np.ndarray, threads: int | None = None, fmt: Format = FORMATS["f32"]):
+                 lm_head: np.ndarray, threads: int | None = None, fmt: Format = FORMATS["f32"], norm_b=EMPTY,
+                 pos_embed=None, project_in=None, project_out=None):
         c = self.config = config
         self.layers, self.embed, self.norm, self.lm_head, self.format = layers, embed, norm, lm_head, fmt
+        self.norm_b = norm_b  # [D] the final LayerNorm's bias (norm and norm_b EMPTY: no final norm)
+        self.pos_embed = pos_embed  # [P + 2, D] OPT's learned positions, float32
+        self.project_in, self.project_out = project_in, project_out  # OPT-350m's [D, W], [W, D]
+        self.block = BLOCKS[c.block].__get__(self)
         self.threads = set_threads(threads)
         self.cos, self.sin = rope_tables(c)
         self.kind, self.thr = cpu.KINDS[c.ffn_kind], F32(c.act_threshold)
@@ -157,8 +184,6 @@ class Engine(Decoder):
         `file_predictors`. `path` may be a checkpoint loaded already (ref.common.checkpoint.load_checkpoint)."""
         w = path if isinstance(path, Weights) else load_checkpoint(path)
         cfg, path = w.config, w.source
-        if cfg.family not in LAYOUTS:
-            raise UserError(f"{path}: the fast engine has no layout for the {cfg.family} family")
         fmt = fmt or stored_format(w)
         if isinstance(w["layers.0.wd"], Quantized):  # llama.cpp's layout: blocks run along F, the bundle needs D
             raise UserError(f"{path}: its FFN down matrices are quantized along the FFN dimension (llama.cpp's layout, "
@@ -167,11 +192,17 @@ class Engine(Decoder):
                             "with python -m ref")
         layers = []
         for l in range(cfg.n_layers):
-            layers.append(LAYOUTS[cfg.family](w, l, fmt))
+            layers.append(layout(w, l, fmt))
             w.release()  # the layout is a copy: keep one, not the file's pages too
+
+        def vec(name):
+            return np.ascontiguousarray(upcast(w[name], F32)) if name in w.tensors else EMPTY
+
         embed = as_format(w["embed"], fmt)
         lm_head = embed if cfg.tie_word_embeddings else as_format(w["lm_head"], fmt)
-        engine = Engine(cfg, layers, embed, np.ascontiguousarray(upcast(w["norm"], F32)), lm_head, threads, fmt)
+        projections = [as_format(w[n], fmt) for n in ("project_in", "project_out")] if cfg.embed_dim else [None, None]
+        engine = Engine(cfg, layers, embed, vec("norm"), lm_head, threads, fmt, vec("norm.bias"),
+                        vec("pos_embed") if cfg.positions == "learned" else None, *projections)
         engine.file_predictors = w.predictors
         return engine
 
@@ -199,21 +230,23 @@ class Engine(Decoder):
         return union, (np.ascontiguousarray(picked[:, union]) if len(union) else np.zeros((T, 1), np.uint8))
 
     def attention_block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Pre-norm self-attention with RoPE, each sequence's run attending to its own slot, to which it appends its
-        keys and values.  h: [T, D].
+        """Self-attention of the block input h [T, D] after its norm (ATTN_NORM: none in a post-norm block), RoPE
+        where the family has it, each sequence's run attending to its own slot, to which it appends its keys and
+        values.
 
         One short run (a decode step): one compiled call. Otherwise the projections read each weight row once for all
         tokens (in BLAS from blas.MIN_TOKENS on), the attention runs per sequence."""
-        L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.config.rms_norm_eps, h.shape[0]
+        L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.config.norm_eps, h.shape[0]
+        w, b = self.norm_weights(L, ATTN_NORM)
         k = kernels(T)
         if len(runs) == 1 and k is cpu:
             seq = runs[0][0]
-            cpu.attention_block(out, h, L.attn_norm, L.wqkv, L.wo, cache.k[l][seq], cache.v[l][seq], self.cos,
+            cpu.attention_block(out, h, w, b, L.wqkv, L.bqkv, L.wo, L.bo, cache.k[l][seq], cache.v[l][seq], self.cos,
                                 self.sin, batch.positions[0], eps)
             return out
         c = self.config
         qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
-        k.qkv_proj(qkv, h, L.attn_norm, L.wqkv, eps)
+        k.qkv_proj(qkv, h, w, b, L.wqkv, L.bqkv, eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
         if len(runs) == T:  # one new token per sequence (decoding together): one call for all of them
             k_caches, v_caches = self.slot_views(cache, l)
@@ -223,7 +256,14 @@ class Engine(Decoder):
                 kernels(b - a).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq], self.cos,
                                               self.sin, batch.positions[a])
         k.matmul(out, att, L.wo)
+        cpu.add_bias(out, L.bo)
         return out
+
+    def norm_weights(self, L: Layer, table: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The (weight, bias) of the norm before attention or the FFN in this block (ref.model's ATTN_NORM or
+        FFN_NORM); EMPTY twice for none."""
+        name = table[self.config.block]
+        return (EMPTY, EMPTY) if name is None else (getattr(L, name), getattr(L, name + "_b"))
 
     @staticmethod
     def slot_views(cache: KVCache, l: int):
@@ -238,47 +278,87 @@ class Engine(Decoder):
         return views[1][l]
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
-        """y = sum over the active set of a_i Wd[:, i], the set chosen per token by the selector.  h: [T, D].
+        """y = sum over the active set of a_i Wd[:, i] (+ bd), the set chosen per token by the selector from the block
+        input h [T, D] (before the FFN's norm, FFN_NORM).
 
         One token: the fused decode kernel. Several (a prompt, or one token of each of several sequences): per chunk
         of FFN_CHUNK tokens, each neuron of the union of their sets read once for all of them, each token computing
         only its own (`sparse_ffn_batch`, in BLAS for chunks of blas.MIN_TOKENS or more)."""
-        L, y, T = self.layers[l], np.empty_like(h), h.shape[0]
+        L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.config.norm_eps
+        w, b = self.norm_weights(L, FFN_NORM)
         if T == 1:
             active = self.active_set(l, h[0])
-            cpu.ffn_block(y[0], self.acc, h[0], L.ffn_norm, L.bundle, active, len(active), self.kind, self.thr,
-                          self.config.rms_norm_eps)
+            cpu.ffn_block(y[0], self.acc, h[0], w, b, L.bundle, L.bu, L.bd, active, len(active), self.kind, self.thr,
+                          eps)
             return y
         x = np.empty_like(h)
-        cpu.rmsnorm(x, h, L.ffn_norm, self.config.rms_norm_eps)
+        cpu.norm(x, h, w, b, eps)
         for t0 in range(0, T, FFN_CHUNK):
             n = min(FFN_CHUNK, T - t0)
             union, mask = self.active_sets(l, h[t0:t0 + n])
-            kernels(n).sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n], L.bundle,
-                                 union, len(union), mask, self.kind, self.thr)
+            kernels(n).sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n],
+                                        L.bundle, L.bu, union, len(union), mask, self.kind, self.thr)
+        cpu.add_bias(y, L.bd)
         return y
-
-    def block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
-        """The LLaMA block on the residual stream h [T, D], in place."""
-        h += self.attention_block(l, h, batch, cache)
-        h += self.ffn_block(l, h)
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run."""
         runs = check_batch(batch, cache, self.config)
-        h = values(self.embed[batch.tokens])  # [T, D]
+        h = self.embed_tokens(batch)  # [T, D]
         for l in range(self.config.n_layers):
             self.block(l, h, batch, cache)
         advance(cache, runs)
         return self.output(np.ascontiguousarray(h[batch.output_rows()]))
 
+    def embed_tokens(self, batch: Batch) -> np.ndarray:
+        """The residual stream entering layer 0 (ref.model's embed): embeddings, projected where narrower, plus the
+        learned positions where the family has them.  -> [T, D]."""
+        h = values(self.embed[batch.tokens])  # [T, W]
+        if self.project_in is not None:
+            h = self.project(h, self.project_in)
+        if self.pos_embed is not None:
+            h += self.pos_embed[np.asarray(batch.positions) + 2]
+        return h
+
+    def project(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], w.shape[0]), F32)
+        kernels(x.shape[0]).matmul(out, x, w)
+        return out
+
     def output(self, h: np.ndarray) -> np.ndarray:
-        """Logits [T, V] = lm_head . rmsnorm(h)."""
+        """Logits [T, V] = lm_head . norm(h) (no norm where the config has none; OPT-350m projects first)."""
         x = np.empty_like(h)
-        cpu.rmsnorm(x, h, self.norm, self.config.rms_norm_eps)
-        logits = np.empty((h.shape[0], self.config.vocab_size), F32)
-        kernels(h.shape[0]).matmul(logits, x, self.lm_head)
-        return logits
+        cpu.norm(x, h, self.norm, self.norm_b, self.config.norm_eps)
+        if self.project_out is not None:
+            x = self.project(x, self.project_out)
+        return self.project(x, self.lm_head)
+
+
+def pre_norm_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
+    """LLaMA's block (and OPT's, Falcon-RW's) on the residual stream h [T, D], in place: h += attention(norm(h));
+    h += ffn(norm(h))."""
+    h += e.attention_block(l, h, batch, cache)
+    h += e.ffn_block(l, h)
+
+
+def post_norm_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
+    """OPT-350m's block: h = norm(h + attention(h)); h = norm(h + ffn(h))."""
+    L, eps = e.layers[l], e.config.norm_eps
+    h += e.attention_block(l, h, batch, cache)
+    cpu.norm(h, h, L.attn_norm, L.attn_norm_b, eps)
+    h += e.ffn_block(l, h)
+    cpu.norm(h, h, L.ffn_norm, L.ffn_norm_b, eps)
+
+
+def parallel_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
+    """Falcon's block: attention and FFN both read the layer input, h += attention(norm(h)) + ffn(norm'(h))."""
+    y = e.ffn_block(l, h)
+    h += e.attention_block(l, h, batch, cache)
+    h += y
+
+
+BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "parallel": parallel_block,
+          "parallel_shared": parallel_block}
 
 
 def kernels(T: int):

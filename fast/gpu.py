@@ -47,32 +47,34 @@ class Weight:
     q: object
     d: object
     kind: int
+    parts: int = 1  # rows per neuron of a bundle (3 gated, 2 not), 1 for a matrix
 
     @property
     def rows(self) -> int:
         return self.q.shape[0]
 
     def slice(self, lo: int, hi: int) -> "Weight":
-        return Weight(self.q[lo:hi], self.d[lo:hi] if self.kind in QUANTIZED else self.d, self.kind)
+        return Weight(self.q[lo:hi], self.d[lo:hi] if self.kind in QUANTIZED else self.d, self.kind, self.parts)
 
     def to_device(self) -> "Weight":
-        return Weight(cuda.to_device(self.q), cuda.to_device(self.d), self.kind)
+        return Weight(cuda.to_device(self.q), cuda.to_device(self.d), self.kind, self.parts)
 
 
 def weight(w) -> Weight:
     """Host rows of blocks [..., B] in any format (`Format.dtype`), leading dimensions flattened into rows, as a
-    host Weight (views where the layout allows); a Weight as it is."""
+    host Weight (views where the layout allows; a neuron bundle [F, P, B] keeps P as `parts`); a Weight as it is."""
     if isinstance(w, Weight):
         return w
     fmt = format_of_blocks(w.dtype)
+    parts = w.shape[1] if w.ndim == 3 else 1
     w = np.ascontiguousarray(w).reshape(-1, w.shape[-1])
     none = np.zeros((1, 1), np.float32)
     if fmt.name == "f32":
-        return Weight(w, none, KINDS["f32"])
+        return Weight(w, none, KINDS["f32"], parts)
     if fmt.name in ("f16", "bf16"):
-        return Weight(w.view(np.uint16), none, KINDS[fmt.name])
+        return Weight(w.view(np.uint16), none, KINDS[fmt.name], parts)
     d = w["d"].view(np.float16).astype(np.float32)  # [N, B]
-    return Weight(np.ascontiguousarray(w["qs"]).reshape(w.shape[0], -1), d, KINDS[fmt.name])
+    return Weight(np.ascontiguousarray(w["qs"]).reshape(w.shape[0], -1), d, KINDS[fmt.name], parts)
 
 
 @cuda.jit(device=True, inline=True)
@@ -155,6 +157,40 @@ def _rmsnorm(out, x, w, eps):
 
 
 @cuda.jit
+def _layernorm(out, x, w, b, eps):
+    buf = cuda.shared.array(THREADS, float32)
+    row, D = cuda.blockIdx.x, x.shape[1]
+    m = float32(0.0)
+    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+        m += x[row, d]
+    m = block_reduce(buf, m, False) / D
+    ss = float32(0.0)
+    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+        ss += (x[row, d] - m) * (x[row, d] - m)
+    r = 1.0 / math.sqrt(block_reduce(buf, ss, False) / D + eps)
+    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+        out[row, d] = (x[row, d] - m) * r * w[d] + b[d]
+
+
+@cuda.jit
+def _copy(out, x):
+    """out = x, elementwise over [T, D]."""
+    i = cuda.grid(1)
+    T, D = out.shape
+    if i < T * D:
+        out[i // D, i % D] = x[i // D, i % D]
+
+
+@cuda.jit
+def _add_bias(out, b):
+    """out[t] += b, elementwise over [T, N]."""
+    i = cuda.grid(1)
+    T, N = out.shape
+    if i < T * N:
+        out[i // N, i % N] += b[i % N]
+
+
+@cuda.jit
 def _rows_dot(out, x, q, d, kind, relu):
     """out[t, n] = w[n] . x[t] (optionally relu'd): block n, threads stride over K (coalesced), tokens in turn."""
     buf = cuda.shared.array(THREADS, float32)
@@ -219,34 +255,38 @@ activation = cuda.jit(device=True, inline=True)(activation_py)
 
 
 @cuda.jit
-def _ffn_gate_up(a, x, q, dq, wk, active, kind, thr):
-    """Block j: a[j] = act(gate . x, up . x) of neuron active[j] (bundle rows 3i, 3i + 1); rows read coalesced."""
+def _ffn_gate_up(a, x, q, dq, wk, P, bias, active, kind, thr):
+    """Block j: a[j] = act(g, u) of neuron active[j] (fast.cpu.pre_activations): bundle rows P i (gate, or a
+    non-gated FFN's up plus its bias) and P i + 1 (up; u = 1 when P = 2); rows read coalesced."""
     buf = cuda.shared.array(THREADS, float32)
     j = cuda.blockIdx.x
     i = active[j]
     g = float32(0.0)
     u = float32(0.0)
     for d in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
-        g += elem(q, dq, wk, 3 * i, d) * x[d]
-        u += elem(q, dq, wk, 3 * i + 1, d) * x[d]
+        g += elem(q, dq, wk, P * i, d) * x[d]
+        if P == 3:
+            u += elem(q, dq, wk, P * i + 1, d) * x[d]
     g = block_reduce(buf, g, False)
-    u = block_reduce(buf, u, False)
+    u = block_reduce(buf, u, False) if P == 3 else float32(1.0)
+    if bias.size:
+        g += bias[i]
     if cuda.threadIdx.x == 0:
         a[j] = activation(kind, g, u, thr)
 
 
 @cuda.jit
-def _ffn_down(part, a, q, dq, wk, active, n_active):
-    """Block (x, c): part[c, d] = sum over chunk c of j < n_active of a[j] down_j[d], down rows with a[j] == 0 not
-    read (the branch is uniform over the block); consecutive threads read consecutive d of a row. Chunks give
-    the GPU enough blocks to keep its memory busy."""
+def _ffn_down(part, a, q, dq, wk, P, active, n_active):
+    """Block (x, c): part[c, d] = sum over chunk c of j < n_active of a[j] down_j[d] (bundle row P i + P - 1), down
+    rows with a[j] == 0 not read (the branch is uniform over the block); consecutive threads read consecutive d of a
+    row. Chunks give the GPU enough blocks to keep its memory busy."""
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     c, C = cuda.blockIdx.y, cuda.gridDim.y
     if d < part.shape[1]:
         s = float32(0.0)
         for j in range(c * n_active // C, (c + 1) * n_active // C):
             if a[j] != 0:
-                s += a[j] * elem(q, dq, wk, 3 * active[j] + 2, d)
+                s += a[j] * elem(q, dq, wk, P * active[j] + P - 1, d)
         part[c, d] = s
 
 
@@ -276,6 +316,23 @@ def rmsnorm(out, x, w, eps):
     _rmsnorm[x.shape[0], THREADS](out, x, w, np.float32(eps))
 
 
+def norm(out, x, w, b, eps):
+    """Same contract as fast.cpu.norm: none (w empty), RMSNorm (w), LayerNorm (w and b); out may be x."""
+    if w.size == 0:
+        if out is not x and out.size:
+            _copy[(out.size + TILE - 1) // TILE, TILE](out, x)
+    elif b.size == 0:
+        rmsnorm(out, x, w, eps)
+    else:
+        _layernorm[x.shape[0], THREADS](out, x, w, b, np.float32(eps))
+
+
+def add_bias(out, b):
+    """Same contract as fast.cpu.add_bias."""
+    if b.size and out.size:
+        _add_bias[(out.size + TILE - 1) // TILE, TILE](out, b)
+
+
 def matmul(out, x, w):
     """Same contract as fast.cpu.matmul; w: host rows of blocks or a Weight."""
     W = weight(w)
@@ -293,16 +350,16 @@ def attention(out, q, k, v, pos0, scores):
     _attention[q.shape[0] * q.shape[1], THREADS](out, q, k, v, pos0, scores)
 
 
-def sparse_ffn(out, acc, x, bundle, active, n_active, kind, thr):
+def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     """Same contract as fast.cpu.sparse_ffn; `acc` is unused here (activations and chunk sums live in scratch).
     The down pass writes per-chunk partial sums, then adds them in a fixed order."""
-    W = weight(bundle)  # rows 3i, 3i + 1, 3i + 2: neuron i's gate, up and down
+    W = weight(bundle)  # rows P i .. P i + P - 1: neuron i's gate (gated), up and down
     D, C = out.shape[0], max(1, min(CHUNKS, n_active))
     a, part = scratch("ffn_a", max(n_active, 1)), scratch("ffn_part", (C, D))
     if n_active:
         xq = input_rows(x.reshape(1, D), W, "ffn_xq")[0]
-        _ffn_gate_up[n_active, THREADS](a, xq, W.q, W.d, W.kind, active, kind, np.float32(thr))
-    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, W.q, W.d, W.kind, active, n_active)
+        _ffn_gate_up[n_active, THREADS](a, xq, W.q, W.d, W.kind, W.parts, bias, active, kind, np.float32(thr))
+    _ffn_down[((D + TILE - 1) // TILE, C), TILE](part, a, W.q, W.d, W.kind, W.parts, active, n_active)
     _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 
 
@@ -313,7 +370,7 @@ def predictor(out, hidden, h, fc1, fc2):
     matmul(out, hidden, fc2)
 
 
-def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos0, eps):
+def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_cache, v_cache, cos, sin, pos0, eps):
     """Same contract as fast.cpu.attention_block. The projections read row blocks of wqkv into contiguous buffers
     (v straight into its cache rows), since a device array's column slices cannot be reshaped."""
     T, D = h.shape
@@ -321,24 +378,31 @@ def attention_block(out, h, attn_norm, wqkv, wo, k_cache, v_cache, cos, sin, pos
     W = weight(wqkv)
     H = W.rows // E - 2 * K
     x = scratch("attn_x", (T, D))
-    rmsnorm(x, h, attn_norm, eps)
+    norm(x, h, attn_norm, attn_norm_b, eps)
     q, k = scratch("attn_q", (T, H * E)), scratch("attn_k", (T, K * E))
+    v = v_cache[pos0:pos0 + T].reshape(T, K * E)
     matmul(q, x, W.slice(0, H * E))
     matmul(k, x, W.slice(H * E, (H + K) * E))
-    matmul(v_cache[pos0:pos0 + T].reshape(T, K * E), x, W.slice((H + K) * E, W.rows))
+    matmul(v, x, W.slice((H + K) * E, W.rows))
+    if bqkv.size:
+        add_bias(q, bqkv[: H * E])
+        add_bias(k, bqkv[H * E:(H + K) * E])
+        add_bias(v, bqkv[(H + K) * E:])
     q3 = q.reshape(T, H, E)
     rope(q3, q3, cos, sin, pos0)
     rope(k_cache[pos0:pos0 + T], k.reshape(T, K, E), cos, sin, pos0)
     att = scratch("attn_att", (T, H, E))
     attention(att, q3, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, scratch("attn_scores", (T * H, pos0 + T)))
     matmul(out, att.reshape(T, H * E), wo)
+    add_bias(out, bo)
 
 
-def ffn_block(out, acc, h, ffn_norm, bundle, active, n_active, kind, thr, eps):
-    """Same contract as fast.cpu.ffn_block: out = sparse_ffn(rmsnorm(h)) for one token h [D]."""
+def ffn_block(out, acc, h, ffn_norm, ffn_norm_b, bundle, bias, bd, active, n_active, kind, thr, eps):
+    """Same contract as fast.cpu.ffn_block: out = sparse_ffn(norm(h)) + bd for one token h [D]."""
     x = scratch("ffn_block_x", (1, h.shape[0]))
-    rmsnorm(x, h.reshape(1, h.shape[0]), ffn_norm, eps)
-    sparse_ffn(out, acc, x[0], bundle, active, n_active, kind, thr)
+    norm(x, h.reshape(1, h.shape[0]), ffn_norm, ffn_norm_b, eps)
+    sparse_ffn(out, acc, x[0], bundle, bias, active, n_active, kind, thr)
+    add_bias(out.reshape(1, out.shape[0]), bd)
 
 
 @cuda.jit

@@ -19,10 +19,10 @@ from numba import cuda
 
 from fast import cpu, gpu
 from fast.engine import Decoder, Engine
+from ref.model import ATTN_NORM, FFN_NORM
 from ref.common.artifacts import dense_names
 from ref.common.batch import Batch, KVCache, advance, check_batch
 from ref.common.errors import UserError
-from ref.quant import values
 
 F32 = np.float32
 
@@ -31,10 +31,12 @@ F32 = np.float32
 class GpuLayer:
     """What layer l keeps on the GPU; a part left None runs on the CPU."""
 
-    attention: tuple | None  # device (attn_norm [D], wqkv [(H + 2K) E, D], wo [D, H E]), matrices as gpu.Weight
+    attention: tuple | None  # device (norm w, b [D] or [0], wqkv [(H + 2K) E, D], bqkv, wo [D, H E], bo): gpu.attention_block's
     predictor: tuple | None  # device (fc1 [R, D], fc2 [F, R]) as gpu.Weight
-    ffn_norm: object  # device [D]
-    bundle: object  # device gpu.Weight, rows [3 max(G, 1), D]: the layer's hot neurons in gpu_neurons order
+    ffn_norm: tuple  # device (w, b): the norm before the FFN (fast.engine.Engine.norm_weights)
+    bundle: object  # device gpu.Weight, rows [P max(G, 1), D]: the layer's hot neurons in gpu_neurons order
+    bu: object  # device [G] the hot neurons' up-row bias (non-gated), or [0]
+    bd: object  # device [D] the down matrix's bias, or [0]
     slot: np.ndarray  # host [F]: neuron id -> row of bundle, or -1 when the neuron lives on the CPU
     hot_all: object  # device [G]: every row of bundle (the split of a step where all F neurons are active)
     cold_all: np.ndarray  # host [F - G]: the CPU's neurons (same)
@@ -56,6 +58,14 @@ class Residual:
             self.a, self.on_gpu = self.a.copy_to_host(), False
         return self.a
 
+    def add(self, o) -> None:
+        """h += o, o a block's output [T, D] on either side (moved to the residual's side if it is not there)."""
+        on_host = isinstance(o, np.ndarray)
+        if self.on_gpu:
+            gpu.add(self.a, cuda.to_device(o) if on_host else o)
+        else:
+            self.a += o if on_host else o.copy_to_host()
+
 
 class HybridEngine(Decoder):
     """A CPU engine (`host`) plus, per layer, what the placement put on the GPU: attention (with its KV cache),
@@ -67,12 +77,15 @@ class HybridEngine(Decoder):
         self.gpu_neurons, self.dense_on_gpu = gpu_neurons, set(dense_on_gpu)
         self.cos_d, self.sin_d = cuda.to_device(host.cos), cuda.to_device(host.sin)
         self.gpu_layers = [self.upload_layer(l) for l in range(c.n_layers)]
+        self.block = HYBRID_BLOCKS[c.block].__get__(self)
         # Where each block runs, chosen once: the forward pass has no branches on the placement.
         self.attention = [self.cpu_attention if G.attention is None else self.gpu_attention for G in self.gpu_layers]
         self.ffn = [self.ffn_side(G) for G in self.gpu_layers]
         self.output = self.cpu_output
         if "output" in self.dense_on_gpu:
-            self.norm_d, self.lm_head_d = cuda.to_device(host.norm), gpu.weight(host.lm_head).to_device()
+            self.norm_d = cuda.to_device(host.norm), cuda.to_device(host.norm_b)
+            self.lm_head_d = gpu.weight(host.lm_head).to_device()
+            self.project_out_d = None if host.project_out is None else gpu.weight(host.project_out).to_device()
             self.output = self.gpu_output
         # The halves' partial sums, staged in pinned memory for the copy to the other side.
         self.y_cpu, self.y_gpu = cuda.pinned_array((1, c.d_model), F32), cuda.pinned_array((1, c.d_model), F32)
@@ -81,14 +94,18 @@ class HybridEngine(Decoder):
         c, L, ids, sel = self.config, self.host.layers[l], self.gpu_neurons[l], self.selector
         attention = predictor = None
         if f"attention.{l}" in self.dense_on_gpu:
-            attention = (cuda.to_device(L.attn_norm), gpu.weight(L.wqkv).to_device(), gpu.weight(L.wo).to_device())
+            w, b = self.host.norm_weights(L, ATTN_NORM)
+            attention = (cuda.to_device(w), cuda.to_device(b), gpu.weight(L.wqkv).to_device(), cuda.to_device(L.bqkv),
+                         gpu.weight(L.wo).to_device(), cuda.to_device(L.bo))
         if sel.predicts and f"predictor.{l}" in self.dense_on_gpu:
             predictor = (gpu.weight(sel.fc1[l]).to_device(), gpu.weight(sel.fc2[l]).to_device())
         slot = np.full(c.d_ffn, -1, np.int32)
         slot[ids] = np.arange(len(ids), dtype=np.int32)
         bundle = L.bundle[ids] if len(ids) else np.zeros((1, *L.bundle.shape[1:]), L.bundle.dtype)
         hot_all = cuda.to_device(np.arange(max(len(ids), 1), dtype=np.int32))
-        return GpuLayer(attention, predictor, cuda.to_device(L.ffn_norm), gpu.weight(bundle).to_device(), slot, hot_all,
+        bu = L.bu[ids] if L.bu.size else L.bu
+        return GpuLayer(attention, predictor, tuple(cuda.to_device(a) for a in self.host.norm_weights(L, FFN_NORM)),
+                        gpu.weight(bundle).to_device(), cuda.to_device(bu), cuda.to_device(L.bd), slot, hot_all,
                         np.flatnonzero(slot < 0).astype(np.int32))
 
     def ffn_side(self, G: GpuLayer):
@@ -117,18 +134,17 @@ class HybridEngine(Decoder):
                 dst.copy_to_device(src)
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, alloc, copy)
 
-    def cpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
-        x = h.cpu()
-        x += self.host.attention_block(l, x, batch, cache)
+    def cpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache) -> np.ndarray:
+        return self.host.attention_block(l, h.cpu(), batch, cache)
 
-    def gpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
-        """ref's attention block on the GPU, a sequence's run at a time; the residual updated there."""
+    def gpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache):
+        """ref's attention block on the GPU, a sequence's run at a time; its output [T, D] stays there."""
         c, h_d = self.config, h.gpu()
         o = gpu.scratch("attn_out", h_d.shape)
         for seq, a, b in batch.runs():
             gpu.attention_block(o[a:b], h_d[a:b], *self.gpu_layers[l].attention, cache.k[l][seq], cache.v[l][seq],
-                                self.cos_d, self.sin_d, batch.positions[a], c.rms_norm_eps)
-        gpu.add(h_d, o)
+                                self.cos_d, self.sin_d, batch.positions[a], c.norm_eps)
+        return o
 
     def cpu_ffn(self, l: int, h: Residual) -> None:
         x = h.cpu()
@@ -141,8 +157,8 @@ class HybridEngine(Decoder):
         y_d = gpu.scratch("y_gpu", (1, self.config.d_model))
         for t in range(h_d.shape[0]):
             hot_d, n_hot, _ = self.split(G, self.active_set(l, h, t))
-            gpu.ffn_block(y_d[0], None, h_d[t], G.ffn_norm, G.bundle, hot_d, n_hot, host.kind, host.thr,
-                          self.config.rms_norm_eps)
+            gpu.ffn_block(y_d[0], None, h_d[t], *G.ffn_norm, G.bundle, G.bu, G.bd, hot_d, n_hot, host.kind,
+                          host.thr, self.config.norm_eps)
             gpu.add(h_d[t:t + 1], y_d)
 
     def active_set(self, l: int, h: Residual, t: int) -> np.ndarray:
@@ -167,7 +183,8 @@ class HybridEngine(Decoder):
         return hot_d, len(hot), cold
 
     def ffn_input(self, l: int, h: Residual) -> tuple[np.ndarray, object]:
-        """x = rmsnorm(h) [T, D] on both sides, computed where the residual is (where the predictor runs, if it does)."""
+        """x = the FFN's norm of h [T, D] on both sides, computed where the residual is (where the predictor runs, if
+        it does)."""
         c, G = self.config, self.gpu_layers[l]
         if G.predictor is not None:
             h.gpu()
@@ -175,25 +192,25 @@ class HybridEngine(Decoder):
             h.cpu()
         x_d = gpu.scratch("ffn_x", h.a.shape)
         if h.on_gpu:
-            gpu.rmsnorm(x_d, h.a, G.ffn_norm, c.rms_norm_eps)
+            gpu.norm(x_d, h.a, *G.ffn_norm, c.norm_eps)
             return x_d.copy_to_host(), x_d
         x = np.empty_like(h.a)
-        cpu.rmsnorm(x, h.a, self.host.layers[l].ffn_norm, c.rms_norm_eps)
+        cpu.norm(x, h.a, *self.host.norm_weights(self.host.layers[l], FFN_NORM), c.norm_eps)
         x_d.copy_to_device(x)
         return x, x_d
 
     def hybrid_ffn_block(self, l: int, h: Residual) -> None:
-        """h += y_gpu(P ∩ G) + y_cpu(P \\ G): the GPU half is launched, the CPU half computed meanwhile, and the
-        other side's partial crosses over to where the residual lives."""
+        """h += y_gpu(P ∩ G) + y_cpu(P \\ G) (+ bd): the GPU half is launched, the CPU half computed meanwhile, and
+        the other side's partial crosses over to where the residual lives."""
         G, L, host = self.gpu_layers[l], self.host.layers[l], self.host
         x, x_d = self.ffn_input(l, h)
         y_d, y_cpu_d = gpu.scratch("y_gpu", (1, x.shape[1])), gpu.scratch("y_cpu", (1, x.shape[1]))
         for t in range(x.shape[0]):
             hot_d, n_hot, cold = self.split(G, self.active_set(l, h, t))
             if n_hot:  # launched, not waited for
-                gpu.sparse_ffn(y_d[0], None, x_d[t], G.bundle, hot_d, n_hot, host.kind, host.thr)
+                gpu.sparse_ffn(y_d[0], None, x_d[t], G.bundle, G.bu, hot_d, n_hot, host.kind, host.thr)
             if len(cold):
-                cpu.sparse_ffn(self.y_cpu[0], host.acc, x[t], L.bundle, cold, len(cold), host.kind, host.thr)
+                cpu.sparse_ffn(self.y_cpu[0], host.acc, x[t], L.bundle, L.bu, cold, len(cold), host.kind, host.thr)
             if h.on_gpu:
                 if n_hot:
                     gpu.add(h.a[t:t + 1], y_d)
@@ -206,15 +223,16 @@ class HybridEngine(Decoder):
                     h.a[t] += self.y_gpu[0]
                 if len(cold):
                     h.a[t] += self.y_cpu[0]
+        if L.bd.size:  # once, whichever side computed the neurons
+            gpu.add_bias(h.a, G.bd) if h.on_gpu else cpu.add_bias(h.a, L.bd)
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [N, V] of the batch's output rows; each block runs where the placement put it, the residual
         following."""
         runs = check_batch(batch, cache, self.config)
-        h = Residual(values(self.host.embed[batch.tokens]))  # [T, D]
+        h = Residual(self.host.embed_tokens(batch))  # [T, D]
         for l in range(self.config.n_layers):
-            self.attention[l](l, h, batch, cache)
-            self.ffn[l](l, h)
+            self.block(l, h, batch, cache)
         advance(cache, runs)
         rows = batch.output_rows()
         if len(rows) < len(batch):
@@ -227,10 +245,38 @@ class HybridEngine(Decoder):
     def gpu_output(self, h: Residual) -> np.ndarray:
         c, T = self.config, h.a.shape[0]
         x_d = gpu.scratch("out_x", (T, c.d_model))
-        gpu.rmsnorm(x_d, h.gpu(), self.norm_d, c.rms_norm_eps)
+        gpu.norm(x_d, h.gpu(), *self.norm_d, c.norm_eps)
+        if self.project_out_d is not None:
+            x_d, x = gpu.scratch("out_w", (T, self.project_out_d.rows)), x_d
+            gpu.matmul(x_d, x, self.project_out_d)
         logits = gpu.scratch("logits", (T, c.vocab_size))
         gpu.matmul(logits, x_d, self.lm_head_d)
         return logits.copy_to_host()
+
+
+def pre_norm_block(e: HybridEngine, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
+    """fast.engine's blocks with each part where the placement put it."""
+    h.add(e.attention[l](l, h, batch, cache))
+    e.ffn[l](l, h)
+
+
+def post_norm_block(e: HybridEngine, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
+    L, eps = e.host.layers[l], e.config.norm_eps
+    h.add(e.attention[l](l, h, batch, cache))
+    cpu.norm(h.cpu(), h.a, L.attn_norm, L.attn_norm_b, eps)
+    e.ffn[l](l, h)
+    cpu.norm(h.cpu(), h.a, L.ffn_norm, L.ffn_norm_b, eps)
+
+
+def parallel_block(e: HybridEngine, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
+    """Attention's output held back while the FFN reads the layer input and adds to it."""
+    o = e.attention[l](l, h, batch, cache)
+    e.ffn[l](l, h)
+    h.add(o)
+
+
+HYBRID_BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "parallel": parallel_block,
+                 "parallel_shared": parallel_block}
 
 
 def require_gpu(who: str) -> None:

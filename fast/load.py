@@ -29,16 +29,17 @@ POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style wh
 GROUP = 64  # neurons per ILP group
 
 
-EMBEDDED = "embedded"  # predictors=EMBEDDED: the checkpoint's own where it has them (a PowerInfer file), else dense
+EMBEDDED = "embedded"  # predictors=EMBEDDED: the checkpoint's own where it has them, else dense
 
 
 def default_predictors(path: Path, predictors, dense: bool):
-    """The predictors a CLI runs: those given; with none given and not --dense, a folder's predictors.safetensors or
-    a GGUF file's own (EMBEDDED: PowerInfer's files have them, llama.cpp's run dense); None for dense."""
+    """The predictors a CLI runs: those given; with none given and not --dense, a folder's predictors.safetensors,
+    else the checkpoint's own (EMBEDDED: PowerInfer's GGUF files and TurboSparse's folders carry them, others run
+    dense); None for dense."""
     if predictors is not None or dense:
         return predictors
-    if path.is_dir():
-        return path / "predictors.safetensors" if (path / "predictors.safetensors").is_file() else None
+    if path.is_dir() and (path / "predictors.safetensors").is_file():
+        return path / "predictors.safetensors"
     return EMBEDDED
 
 

@@ -277,7 +277,7 @@ class Scheduler:
         t = sample(z, history, r.rng, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n)
         if not r.out:
             r.first_token_at = time.perf_counter()
-        if t in self.engine.config.eos_token_ids and not p.ignore_eos:
+        if t in self.tokenizer.eos_ids and not p.ignore_eos:
             return self.finish(r, "stop")
         r.out.append(t)
         self.metrics["tokens_predicted_total"] += 1

@@ -37,7 +37,7 @@ def measure_predictors(model: Model, windows) -> list[dict]:
 
     def choose(l, h, x, wg, wu):
         p = saved.choose(l, h, x, wg, wu)
-        f = oracle_set(c, x, wg, wu)
+        f = oracle_set(model, l, x, wg, wu)
         tp[l] += np.intersect1d(p, f).size
         npred[l] += p.size
         nfired[l] += f.size

@@ -1,13 +1,17 @@
 """The dense reference model in plain NumPy: the semantics every engine is checked against.
 
-A model is its family's block applied layer after layer to the residual stream. The LLaMA family (LLaMA, Mistral,
-ReluLLaMA, ProSparse, Bamboo): pre-norm RMSNorm blocks, RoPE, GQA attention, a gated FFN, no biases. Another family
-is another small `Model` subclass with its own `block`, registered in FAMILIES.
+A model is its family's block applied layer after layer to the residual stream; each family is a small `Model`
+subclass registered in FAMILIES. LLaMA (LLaMA, Mistral, ReluLLaMA, ProSparse, Bamboo): pre-norm RMSNorm blocks, RoPE,
+GQA attention, a gated FFN, no biases. OPT: LayerNorm, learned positions, biases, a non-gated ReLU FFN, pre-norm or
+(350m) post-norm. Falcon: LayerNorm, RoPE, one fused q/k/v matrix, attention and FFN side by side from the same input.
+A non-gated FFN act(Wu x + bu) is the gated one a(g, u) with g = Wu x + bu and u = 1, so one activation table
+serves both.
 
 Dimensions: T new tokens, S cached + new tokens, D d_model, F FFN neurons, H/K query/key-value heads,
 E head dim, V vocab, L layers.
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,12 @@ from ref.quant import input_values
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * w, per row.  x: [T, D], w: [D]."""
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean(x)) / sqrt(var(x) + eps) * w + b, per row.  x: [T, D], w, b: [D]."""
+    c = x - np.mean(x, axis=-1, keepdims=True)
+    return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps) * w + b
 
 
 def rope_angles(pos: np.ndarray, E: int, theta: float) -> np.ndarray:
@@ -64,7 +74,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
 
 def ffn_activation(kind: str, g: np.ndarray, u: np.ndarray, t: float = 0.0) -> np.ndarray:
     """The gated activation a(g, u) of each FFN kind, elementwise: relu(g) u (ReGLU), g [g > t] u (FATReLU),
-    relu(g) relu(u) (dReLU), silu(g) u (SwiGLU)."""
+    relu(g) relu(u) (dReLU), silu(g) u (SwiGLU), gelu(g) u with the exact erf GELU."""
     if kind == "relu":
         return np.maximum(g, 0) * u
     if kind == "fatrelu":
@@ -73,6 +83,8 @@ def ffn_activation(kind: str, g: np.ndarray, u: np.ndarray, t: float = 0.0) -> n
         return np.maximum(g, 0) * np.maximum(u, 0)
     if kind == "silu":
         return g / (1 + np.exp(-g)) * u
+    if kind == "gelu":
+        return 0.5 * g * (1 + erf(g / np.sqrt(2))) * u
     raise ValueError(f"unknown FFN kind {kind!r}")
 
 
@@ -85,6 +97,27 @@ def fired(kind: str, g: np.ndarray, u: np.ndarray, t: float = 0.0) -> np.ndarray
     if kind == "drelu":
         return (g > 0) & (u > 0)
     raise UserError(f"FFN kind '{kind}' has no activation sparsity (sparse execution needs relu, fatrelu or drelu)")
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """The error function elementwise (math.erf; NumPy has none)."""
+    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(np.result_type(x, np.float32))
+
+
+def qkv_rows(H: int, K: int, E: int) -> np.ndarray:
+    """Row order that turns a fused q/k/v matrix into [all q | all k | all v]: Falcon stores per kv head group its
+    H/K query heads, then its key head, then its value head (multi-query: one group; otherwise one group per head,
+    i.e. q, k, v interleaved).  -> [(H + 2K) E] row ids."""
+    G = H // K
+    group = np.arange(K)[:, None] * (G + 2) * E  # [K, 1] first row of each group
+    q = (group[:, :, None] + np.arange(G)[None, :, None] * E + np.arange(E)).reshape(-1)  # [H E]
+    k = (group + G * E + np.arange(E)).reshape(-1)  # [K E]
+    return np.concatenate([q, k, k + E])
+
+
+# The norm each block input goes through (ref.common.config.BLOCKS); None: the residual as it is (post-norm).
+ATTN_NORM = {"pre_norm": "attn_norm", "post_norm": None, "parallel": "attn_norm", "parallel_shared": "attn_norm"}
+FFN_NORM = {"pre_norm": "ffn_norm", "post_norm": None, "parallel": "ffn_norm", "parallel_shared": "attn_norm"}
 
 
 def require_sparse(kind: str) -> None:
@@ -103,7 +136,7 @@ class Model:
     @staticmethod
     def load(path: str | Path, dtype=np.float32) -> "Model":
         """The dense model of an HF folder or GGUF file, as its family defines it; nothing else (features are
-        transforms; a PowerInfer file's predictors wait in `weights.predictors`)."""
+        transforms; the predictors a checkpoint carries wait in `weights.predictors`)."""
         w = load_checkpoint(path)
         return FAMILIES[w.config.family](w.config, w, dtype)
 
@@ -111,9 +144,22 @@ class Model:
         return upcast(self.weights[name], self.dtype)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x @ W.T with W as stored; q8_0 and q4_0 weights read x rounded to Q8_0 (ref.quant.input_values)."""
+        """x @ W.T (+ b where the checkpoint has one) with W as stored; q8_0 and q4_0 weights read x rounded to Q8_0
+        (ref.quant.input_values)."""
         t = self.weights[name]
-        return input_values(x, t) @ upcast(t, self.dtype).T
+        y = input_values(x, t) @ upcast(t, self.dtype).T
+        return y + self.w(name + ".bias") if name + ".bias" in self.weights.tensors else y
+
+    def norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """The family's norm (config.norm) with the weights `name`: RMSNorm, or LayerNorm with its bias."""
+        c = self.config
+        if c.norm == "layer":
+            return layernorm(x, self.w(name), self.w(name + ".bias"), c.norm_eps)
+        return rmsnorm(x, self.w(name), c.norm_eps)
+
+    def norm_in(self, x: np.ndarray, name: str | None, l: int) -> np.ndarray:
+        """Layer l's norm `name` of x, or x itself where the block has none there (ATTN_NORM, FFN_NORM)."""
+        return x if name is None else self.norm(x, f"layers.{l}.{name}")
 
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype, slots)
@@ -121,11 +167,62 @@ class Model:
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run."""
         runs = check_batch(batch, cache, self.config)
-        h = upcast(self.weights["embed"][batch.tokens], self.dtype)  # [T, D]
+        h = self.embed(batch)  # [T, D]
         for l in range(self.config.n_layers):
             h = self.block(l, h, batch, cache)
         advance(cache, runs)
         return self.output(h[batch.output_rows()])
+
+    def embed(self, batch: Batch) -> np.ndarray:
+        """The residual stream entering layer 0: the tokens' embeddings.  -> [T, D]."""
+        return upcast(self.weights["embed"][batch.tokens], self.dtype)
+
+    def output(self, h: np.ndarray) -> np.ndarray:
+        """Logits [T, V] = lm_head . norm(h) (no norm where the config has none; OPT-350m projects back to its
+        narrower embedding first)."""
+        c = self.config
+        x = self.norm(h, "norm") if c.final_norm else h  # [T, D]
+        if c.embed_dim:
+            x = self.linear(x, "project_out")  # [T, W]
+        return self.linear(x, "embed" if c.tie_word_embeddings else "lm_head")  # [T, V]
+
+    def qkv(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Queries [T, H, E], keys and values [T, K, E] of the normed input x [T, D]."""
+        c, p, T = self.config, f"layers.{l}.", x.shape[0]
+        return (self.linear(x, p + "wq").reshape(T, c.n_heads, c.head_dim),
+                self.linear(x, p + "wk").reshape(T, c.n_kv_heads, c.head_dim),
+                self.linear(x, p + "wv").reshape(T, c.n_kv_heads, c.head_dim))
+
+    def attention_block(self, l: int, x: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
+        """Self-attention of the block's input x [T, D] (RoPE where the config has it), each sequence's run attending
+        to its own slot, to which it appends its keys and values."""
+        c, T = self.config, x.shape[0]
+        q, k, v = self.qkv(l, x)  # [T, H, E], [T, K, E], [T, K, E]
+        if c.positions == "rope":
+            q, k = rope(q, batch.positions, c.rope_theta), rope(k, batch.positions, c.rope_theta)
+        att = np.empty_like(q)  # [T, H, E]
+        for seq, a, b in batch.runs():
+            s0, s1 = batch.positions[a], batch.positions[a] + b - a
+            keys, values = cache.k[l][seq], cache.v[l][seq]  # [room, K, E]
+            keys[s0:s1], values[s0:s1] = k[a:b], v[a:b]
+            att[a:b] = attention(q[a:b], keys[:s1], values[:s1], batch.positions[a:b])
+        return self.linear(att.reshape(T, -1), f"layers.{l}.wo")  # [T, D]
+
+    def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The FFN's pre-activations (g, u) [T, F] for the block input h [T, D]: Wg x, Wu x with x its FFN norm; a
+        non-gated FFN's g = Wu x + bu, u = 1."""
+        x = self.norm_in(h, FFN_NORM[self.config.block], l)  # [T, D]
+        p = f"layers.{l}."
+        if self.config.gated:
+            return self.linear(x, p + "wg"), self.linear(x, p + "wu")
+        g = self.linear(x, p + "wu")
+        return g, np.ones_like(g)
+
+    def dense_ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
+        """y = Wd a(g, u) (+ bd) for the block input h [T, D] (before the FFN's norm: what the predictor reads)."""
+        c = self.config
+        g, u = self.ffn_gate_up(l, h)  # [T, F]
+        return self.linear(ffn_activation(c.ffn_kind, g, u, c.act_threshold), f"layers.{l}.wd")  # [T, D]
 
     def logits(self, ids) -> np.ndarray:
         """Float32 logits [T, V] for a whole sequence from a fresh cache."""
@@ -136,46 +233,51 @@ class Model:
 
 
 class Llama(Model):
-    """The LLaMA block: h += attention(rmsnorm(h)); h += ffn(rmsnorm(h)); logits = lm_head(rmsnorm(h))."""
+    """The LLaMA block: h += attention(rmsnorm(h)); h += ffn(rmsnorm(h))."""
 
     def block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
-        h = h + self.attention_block(l, h, batch, cache)
+        h = h + self.attention_block(l, self.norm(h, f"layers.{l}.attn_norm"), batch, cache)
         return h + self.ffn_block(l, h)
 
-    def attention_block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Pre-norm self-attention with RoPE, each sequence's run attending to its own slot, to which it appends its
-        keys and values.  h: [T, D]."""
-        c, p, T = self.config, f"layers.{l}.", h.shape[0]
-        x = rmsnorm(h, self.w(p + "attn_norm"), c.rms_norm_eps)  # [T, D]
-        q = self.linear(x, p + "wq").reshape(T, c.n_heads, c.head_dim)  # [T, H, E]
-        k = self.linear(x, p + "wk").reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
-        v = self.linear(x, p + "wv").reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, E]
-        q, k = rope(q, batch.positions, c.rope_theta), rope(k, batch.positions, c.rope_theta)
-        att = np.empty_like(q)  # [T, H, E]
-        for seq, a, b in batch.runs():
-            s0, s1 = batch.positions[a], batch.positions[a] + b - a
-            keys, values = cache.k[l][seq], cache.v[l][seq]  # [room, K, E]
-            keys[s0:s1], values[s0:s1] = k[a:b], v[a:b]
-            att[a:b] = attention(q[a:b], keys[:s1], values[:s1], batch.positions[a:b])
-        return self.linear(att.reshape(T, -1), p + "wo")  # [T, D]
 
-    def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Gate and up pre-activations Wg x, Wu x [T, F] with x = rmsnorm(h).  h: [T, D]."""
+class OPT(Model):
+    """The OPT block, pre-norm as LLaMA's with LayerNorm, or post-norm (350m): h = LN(h + attention(h));
+    h = LN(h + ffn(h)). Learned positions join the embedding; biases everywhere."""
+
+    def embed(self, batch: Batch) -> np.ndarray:
+        """Token embedding (projected to D where it is narrower) + the position table's row position + 2."""
+        h = super().embed(batch)  # [T, W]
+        if self.config.embed_dim:
+            h = self.linear(h, "project_in")  # [T, D]
+        return h + self.w("pos_embed")[np.asarray(batch.positions) + 2]
+
+    def block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
         p = f"layers.{l}."
-        x = rmsnorm(h, self.w(p + "ffn_norm"), self.config.rms_norm_eps)  # [T, D]
-        return self.linear(x, p + "wg"), self.linear(x, p + "wu")
-
-    def dense_ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
-        """y = Wd a(Wg x, Wu x) with x = rmsnorm(h).  h: [T, D] residual stream entering the FFN block."""
-        c = self.config
-        g, u = self.ffn_gate_up(l, h)  # [T, F]
-        return self.linear(ffn_activation(c.ffn_kind, g, u, c.act_threshold), f"layers.{l}.wd")  # [T, D]
-
-    def output(self, h: np.ndarray) -> np.ndarray:
-        """Logits [T, V] = lm_head . rmsnorm(h)."""
-        c = self.config
-        x = rmsnorm(h, self.w("norm"), c.rms_norm_eps)  # [T, D]
-        return self.linear(x, "embed" if c.tie_word_embeddings else "lm_head")  # [T, V]
+        if self.config.block == "post_norm":
+            h = self.norm(h + self.attention_block(l, h, batch, cache), p + "attn_norm")
+            return self.norm(h + self.ffn_block(l, h), p + "ffn_norm")
+        h = h + self.attention_block(l, self.norm(h, p + "attn_norm"), batch, cache)
+        return h + self.ffn_block(l, h)
 
 
-FAMILIES = {"llama": Llama}
+class Falcon(Model):
+    """The Falcon block: attention and FFN read the same input, h += attention(LN_attn h) + ffn(LN_mlp h) (one
+    shared LN unless the new decoder architecture has two); Falcon-RW's sequential block is LLaMA's. The FFN block
+    gets the layer input, which is also what the predictor reads (PowerInfer)."""
+
+    def qkv(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c, T = self.config, x.shape[0]
+        H, K, E = c.n_heads, c.n_kv_heads, c.head_dim
+        qkv = self.linear(x, f"layers.{l}.wqkv")[:, qkv_rows(H, K, E)]  # [T, (H + 2K) E] as [q | k | v]
+        return (qkv[:, : H * E].reshape(T, H, E), qkv[:, H * E:(H + K) * E].reshape(T, K, E),
+                qkv[:, (H + K) * E:].reshape(T, K, E))
+
+    def block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
+        attn = self.attention_block(l, self.norm(h, f"layers.{l}.attn_norm"), batch, cache)
+        if self.config.block == "pre_norm":
+            h = h + attn
+            return h + self.ffn_block(l, h)
+        return h + attn + self.ffn_block(l, h)
+
+
+FAMILIES = {"llama": Llama, "opt": OPT, "falcon": Falcon}

@@ -54,6 +54,18 @@ def corpus_tokens(tokenizer, path: Path):
                 return
 
 
+WINDOW = 256  # tokens per forward pass over a corpus, unless the context is shorter
+
+
+def window_size(window: int | None, cfg) -> int:
+    """--window as given (checked against the model's context), or WINDOW cut to the context."""
+    if window is None:
+        return min(WINDOW, cfg.max_seq_len)
+    if not 2 <= window <= cfg.max_seq_len:
+        raise UserError(f"--window must be in [2, {cfg.max_seq_len}] (the model's context), got {window}")
+    return window
+
+
 def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = None):
     """Yield (ids [<= window], fraction of the file read): the corpus' token stream (`corpus_tokens`) cut into
     windows of `window` tokens, at most `max_tokens` in all."""
@@ -80,7 +92,7 @@ def observe_ffn(model: Model, observer) -> Model:
     def block(l, h):
         g, u = model.ffn_gate_up(l, h)  # [T, F]
         observer(l, h, fired(c.ffn_kind, g, u, c.act_threshold))
-        return ffn_activation(c.ffn_kind, g, u, c.act_threshold) @ model.w(f"layers.{l}.wd").T
+        return model.linear(ffn_activation(c.ffn_kind, g, u, c.act_threshold), f"layers.{l}.wd")
 
     model.ffn_block = block
     return model

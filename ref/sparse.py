@@ -1,8 +1,10 @@
 """Predictor-gated sparse FFN (the PowerInfer paper, sections 4-5), as transforms applied to a dense `Model`.
 
-Predictor of layer l, on h = the residual stream entering the FFN block (before its norm): logits = fc2 relu(fc1 h),
-P = {i : logits_i >= θ}. Sparse FFN: y = sum_{i in P} a_i Wd[:, i], a_i computed only for i in P. Over the oracle set
-(the neurons that fire) it equals the dense FFN up to summation order. Hybrid split: with G a layer's GPU neurons,
+Predictor of layer l, on h = the residual stream entering the FFN block (before its norm; Falcon's layer input):
+logits = fc2 relu(fc1 h), P = {i : logits_i >= θ}. Sparse FFN: y = sum_{i in P} a_i Wd[:, i] (+ bd), a_i computed
+only for i in P. Over the oracle set (the neurons that fire) it equals the dense FFN up to summation order. With
+biases (OPT), a neuron outside P contributes nothing, even where relu(bu_i) > 0 alone would have: PowerInfer drops it
+the same way, and bd is added once. Hybrid split: with G a layer's GPU neurons,
 y = y_gpu + y_cpu, summing over P ∩ G and P \\ G.
 
 Dimensions: T tokens, D d_model, F FFN neurons, R predictor hidden size, L layers.
@@ -14,7 +16,7 @@ import numpy as np
 
 from ref.common.artifacts import Predictors
 from ref.common.safetensors import upcast
-from ref.model import Model, ffn_activation, fired, require_sparse, rmsnorm
+from ref.model import FFN_NORM, Model, ffn_activation, fired, require_sparse
 from ref.quant import input_values
 
 
@@ -31,24 +33,28 @@ def predicted_set(logits: np.ndarray, threshold: float = 0.0) -> np.ndarray:
     return np.flatnonzero(logits >= threshold).astype(np.int32)
 
 
-def sparse_ffn(x: np.ndarray, wg, wu, wd, active: np.ndarray, kind: str, t: float = 0.0, dtype=np.float32) -> np.ndarray:
+def sparse_ffn(x: np.ndarray, wg, wu, wd, active: np.ndarray, kind: str, t: float = 0.0, dtype=np.float32,
+               bu=None) -> np.ndarray:
     """y = sum_{i in active} a_i Wd[:, i], computing a_i only for active neurons.  x: [D] -> [D].
 
     wg, wu: [F, D] and wd: [D, F] as stored (any format); only the active rows/columns are read. Gate and up read x
-    as their format does (ref.quant.input_values), the down matrix the activations as they are.
+    as their format does (ref.quant.input_values), the down matrix the activations as they are. A non-gated FFN
+    (wg None) has a_i = act(Wu_i x + bu_i), the gated one's with u = 1 (ref.model).
     """
-    g = upcast(wg[active], dtype) @ input_values(x, wg)  # [|P|]
     u = upcast(wu[active], dtype) @ input_values(x, wu)  # [|P|]
+    if bu is not None:
+        u = u + upcast(bu, dtype)[active]
+    g, u = (u, np.ones_like(u)) if wg is None else (upcast(wg[active], dtype) @ input_values(x, wg), u)
     a = ffn_activation(kind, g, u, t)  # [|P|]
     return upcast(wd[:, active], dtype) @ a  # [D]
 
 
 def hybrid_ffn(x: np.ndarray, wg, wu, wd, active: np.ndarray, gpu: np.ndarray, kind: str, t: float = 0.0,
-               dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+               dtype=np.float32, bu=None) -> tuple[np.ndarray, np.ndarray]:
     """PowerInfer's split: (y_gpu over P ∩ G, y_cpu over P \\ G); their sum is the sparse FFN.  x: [D]."""
     on_gpu = np.isin(active, gpu)
-    return (sparse_ffn(x, wg, wu, wd, active[on_gpu], kind, t, dtype),
-            sparse_ffn(x, wg, wu, wd, active[~on_gpu], kind, t, dtype))
+    return (sparse_ffn(x, wg, wu, wd, active[on_gpu], kind, t, dtype, bu),
+            sparse_ffn(x, wg, wu, wd, active[~on_gpu], kind, t, dtype, bu))
 
 
 class Selector:
@@ -80,32 +86,39 @@ class Selector:
 
 
 class SparseFFN:
-    """The FFN block with the active set chosen per token by `choose(l, h, x, wg, wu) -> sorted neuron ids`."""
+    """The FFN block with the active set chosen per token by `choose(l, h, x, wg, wu) -> sorted neuron ids` (h the
+    block input, x its FFN norm; wg None for a non-gated FFN)."""
 
     def __init__(self, model: Model, choose):
         self.model, self.choose = model, choose
 
     def __call__(self, l: int, h: np.ndarray) -> np.ndarray:
         m, c, p = self.model, self.model.config, f"layers.{l}."
-        x = rmsnorm(h, m.w(p + "ffn_norm"), c.rms_norm_eps)  # [T, D]
-        wg, wu, wd = m.w(p + "wg"), m.w(p + "wu"), m.w(p + "wd")  # upcast once per block, as the dense block does
-        xr = input_values(x, m.weights[p + "wg"])  # [T, D] x as the stored gate and up matrices read it
+        x = m.norm_in(h, FFN_NORM[c.block], l)  # [T, D]
+        # upcast once per block, as the dense block does
+        wg, wu, wd = m.w(p + "wg") if c.gated else None, m.w(p + "wu"), m.w(p + "wd")
+        bu, bd = (m.w(p + "wu.bias"), m.w(p + "wd.bias")) if c.bias else (None, 0)
+        xr = input_values(x, m.weights[p + "wu"])  # [T, D] x as the stored gate and up matrices read it
         y = np.empty_like(x)  # [T, D]
         for t in range(x.shape[0]):
             active = self.choose(l, h[t], x[t], wg, wu)
-            y[t] = sparse_ffn(xr[t], wg, wu, wd, active, c.ffn_kind, c.act_threshold, m.dtype)
+            y[t] = sparse_ffn(xr[t], wg, wu, wd, active, c.ffn_kind, c.act_threshold, m.dtype, bu) + bd
         return y
 
 
-def oracle_set(cfg, x: np.ndarray, wg: np.ndarray, wu: np.ndarray) -> np.ndarray:
-    """The neurons that really fire for normed input x [D] (computes the full gate/up: for tests and eval)."""
-    return np.flatnonzero(fired(cfg.ffn_kind, wg @ x, wu @ x, cfg.act_threshold)).astype(np.int32)
+def oracle_set(model: Model, l: int, x: np.ndarray, wg, wu) -> np.ndarray:
+    """The neurons of layer l that really fire for FFN input x [D], wg and wu upcast (wg None: non-gated); computes
+    the full gate/up: for tests and eval."""
+    c = model.config
+    u = wu @ x + (model.w(f"layers.{l}.wu.bias") if c.bias else 0)  # [F]
+    g, u = (u, np.ones_like(u)) if wg is None else (wg @ x, u)
+    return np.flatnonzero(fired(c.ffn_kind, g, u, c.act_threshold)).astype(np.int32)
 
 
 def apply_oracle(model: Model) -> Model:
     """Sparse FFN over the oracle set: equals dense up to summation order."""
     require_sparse(model.config.ffn_kind)
-    model.ffn_block = SparseFFN(model, lambda l, h, x, wg, wu: oracle_set(model.config, x, wg, wu))
+    model.ffn_block = SparseFFN(model, lambda l, h, x, wg, wu: oracle_set(model, l, x, wg, wu))
     return model
 
 

@@ -74,6 +74,8 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     batches = parse_sequences(sequences)
     batches = sorted({1, *batches}) if batches else []  # B = 1 timed the same way: the scaling's denominator
     cfg = shape_config(shape, layers)
+    if with_peer and cfg.family != "llama":
+        raise click.UsageError(f"--peer times llama.cpp on a LLaMA-family GGUF; {shape} is a {cfg.family} shape")
     engine = convert(random_engine(cfg, threads), FORMATS[type_])
     R = predictor_size(cfg)
     pfmt = FORMATS[predictor_type] if predictor_type else predictor_format(engine.format)

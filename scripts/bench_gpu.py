@@ -53,8 +53,10 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32") -> dict
     copy_dst = cuda.device_array_like(bundle.q)
     res = {"copy": 2 * bundle.q.nbytes / timed(lambda: copy_dst.copy_to_device(bundle.q)) / 1e9}  # read + write
     res["matmul"] = F * row_bytes / timed(lambda: gpu.matmul(out_f, x, wd)) / 1e9
-    res["sparse_ffn"] = n * 3 * row_bytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, active, n, 0, F32(0))) / 1e9
-    res["dense_ffn"] = F * 3 * row_bytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, cuda.to_device(
+    no_bias = cuda.to_device(np.zeros(0, F32))
+    res["sparse_ffn"] = n * 3 * row_bytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, no_bias, active, n, 0,
+                                                                         F32(0))) / 1e9
+    res["dense_ffn"] = F * 3 * row_bytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, no_bias, cuda.to_device(
         np.arange(F, dtype=np.int32)), F, 0, F32(0))) / 1e9
     return res
 

@@ -12,7 +12,8 @@ from ref.common.tokenizer import load_tokenizer
 from ref.evaluate import measure_predictors, perplexity
 from ref.model import Model
 from ref.common.formats import FORMATS, format_of
-from ref.profile import corpus_windows
+from ref.common.config import ModelConfig
+from ref.profile import corpus_windows, window_size
 from ref.quant import quantize_model, quantize_predictors
 from ref.sparse import apply_oracle, apply_predictors
 
@@ -22,7 +23,7 @@ from ref.sparse import apply_oracle, apply_predictors
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
 @click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding val.txt [default: data/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Score at most this many tokens.")
-@click.option("--window", type=int, default=256, show_default=True)
+@click.option("--window", type=int, default=None, help="Tokens per forward pass [default: 256, or the context if shorter].")
 @click.option("--predictor-threshold", type=float, default=None, help="Override the stored threshold.")
 @click.option("--type", "type_", default=None, help=f"Weight format: {', '.join(FORMATS)} [default: as stored].")
 @click.option("--predictor-type", default=None, help=f"Store the predictors in this format: {', '.join(FORMATS)} [default: as saved, f32].")
@@ -36,6 +37,7 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
     corpus = resolve_corpus(corpus, "val.txt")
     predictors = predictors or model_dir / "predictors.safetensors"
     tok = load_tokenizer(model_dir)
+    window = window_size(window, ModelConfig.from_hf(model_dir))
 
     def windows():
         return corpus_windows(tok, corpus, window, max_tokens)

@@ -8,7 +8,7 @@ from ref.common.artifacts import save_activations
 from ref.common.cli import check_model_dir, output_file, resolve_corpus, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.model import Model
-from ref.profile import corpus_windows, firing_stats, profile_activations
+from ref.profile import corpus_windows, firing_stats, profile_activations, window_size
 
 
 def print_table(stats: list[dict]) -> None:
@@ -47,7 +47,7 @@ def plot(plt, stats_counts, path: Path) -> None:
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: data/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Stop after this many tokens.")
-@click.option("--window", type=int, default=256, show_default=True, help="Tokens per forward pass.")
+@click.option("--window", type=int, default=None, help="Tokens per forward pass [default: 256, or the context if shorter].")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="activations.safetensors to write.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--plot", "plot_file", type=click.Path(path_type=Path), default=None, help="Draw cumulative firing curves (matplotlib).")
@@ -59,8 +59,7 @@ def main(model_dir, corpus, max_tokens, window, output, force, plot_file):
     plt = pyplot() if plot_file else None
     corpus = resolve_corpus(corpus, "train.txt")
     model, tok = Model.load(model_dir), load_tokenizer(model_dir)
-    if not 2 <= window <= model.config.max_seq_len:
-        raise click.UsageError(f"--window must be in [2, {model.config.max_seq_len}]")
+    window = window_size(window, model.config)
     counts, tokens = profile_activations(model, corpus_windows(tok, corpus, window, max_tokens), max_tokens)
     save_activations(output, counts, tokens, corpus, model_dir)
     print_table(firing_stats(counts, tokens))

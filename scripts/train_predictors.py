@@ -8,14 +8,14 @@ from ref.common.cli import check_model_dir, output_file, resolve_corpus, user_er
 from ref.common.tokenizer import load_tokenizer
 from ref.model import Model
 from ref.predictor import LADDER, TrainSettings, train_all
-from ref.profile import Reservoir, collect_samples, corpus_windows
+from ref.profile import Reservoir, collect_samples, corpus_windows, window_size
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--corpus", type=click.Path(path_type=Path), default=None, help="Text file, or a folder holding train.txt [default: data/corpus].")
 @click.option("--max-tokens", type=int, default=None, help="Read at most this many corpus tokens.")
-@click.option("--window", type=int, default=256, show_default=True, help="Tokens per forward pass.")
+@click.option("--window", type=int, default=None, help="Tokens per forward pass [default: 256, or the context if shorter].")
 @click.option("--samples", type=int, default=60000, show_default=True, help="Reservoir size (tokens kept per layer).")
 @click.option("--sample-memory", type=float, default=4.0, show_default=True, help="GiB cap for the reservoir; shrinks --samples to fit.")
 @click.option("--target-recall", type=float, default=0.97, show_default=True)
@@ -44,6 +44,7 @@ def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_r
     per = Reservoir.bytes_per_sample(c.n_layers, c.d_model, c.d_ffn)
     capacity = max(1, min(samples, int(sample_memory * 2**30) // per))
     click.echo(f"reservoir: room for {capacity:,} tokens x {c.n_layers} layers ({capacity * per / 2**30:.2f} GiB)")
+    window = window_size(window, c)
     res = collect_samples(model, corpus_windows(tok, corpus, window, max_tokens), capacity, seed, max_tokens)
     kept = min(res.seen, res.capacity)
     click.echo(f"sampled {kept:,} of the corpus' {res.seen:,} tokens per layer")

@@ -11,6 +11,9 @@ from ref.common.safetensors import write_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "data" / "tiny-relu-llama"
+# The tiny OPT and Falcon checkpoints (scripts/make_family_models.py), one per variant, with golden logits.
+FAMILIES = ROOT / "tests" / "families"
+VARIANTS = ["opt-pre-ln", "opt-post-ln", "falcon-gqa", "falcon-multi-query", "falcon-interleaved"]
 HAS_GPU = os.path.exists("/dev/nvidiactl")  # decided before numba is imported (tests/conftest.py)
 
 SMALL_CONFIG = {
@@ -85,4 +88,19 @@ def write_model(folder: Path, overrides: dict | None = None, dtype: str = "F16",
         write_safetensors(folder / fname, part, dtype=dtype)
         weight_map.update({n: fname for n in part})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def variant_copy(folder: Path, variant: str, config: dict | None = None, rename=None, drop=(), add=None) -> Path:
+    """A copy of a family test checkpoint with its config.json changed (keys mapped to None are removed) and its
+    tensors renamed (`rename(name) -> name`), dropped or added."""
+    from safetensors.numpy import load_file, save_file
+    src = FAMILIES / variant
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((src / "config.json").read_text())
+    for k, v in (config or {}).items():
+        raw.pop(k, None) if v is None else raw.__setitem__(k, v)
+    (folder / "config.json").write_text(json.dumps(raw))
+    tensors = {(rename or (lambda n: n))(n): t for n, t in load_file(src / "model.safetensors").items() if n not in drop}
+    save_file({**tensors, **(add or {})}, str(folder / "model.safetensors"))
     return folder

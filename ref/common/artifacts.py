@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ref.common.errors import UserError
-from ref.common.safetensors import open_safetensors, read_header, upcast, write_safetensors
-from ref.common.weights import checkpoint_files
+from ref.common.safetensors import checkpoint_files, open_safetensors, read_header, upcast, write_safetensors
 
 
 def atomic_save(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:

@@ -1,6 +1,7 @@
-"""Model configuration from a Hugging Face `config.json`.
+"""Model configuration from a Hugging Face `config.json`: one frozen dataclass for every family, each family's field
+names read in one parser (`PARSERS`).
 
-Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V vocab, L layers.
+Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V vocab, L layers, P positions.
 """
 
 import json
@@ -10,20 +11,30 @@ from pathlib import Path
 from ref.common.errors import UserError
 
 # HF architecture -> model family: one block definition and one weight-name table each (ref.model, ref.common.names).
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "BambooForCausalLM": "llama"}
+# ProSparse's folders name their remote code's classes (configuration_sparsellama.py, modeling_sparsellama.py).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "BambooForCausalLM": "llama",
+                 "SparseLlamaForCausalLM": "llama", "OPTForCausalLM": "opt", "FalconForCausalLM": "falcon",
+                 "RWForCausalLM": "falcon"}
 # Configs without `architectures`: model_type -> architecture.
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "bamboo": "BambooForCausalLM",
+               "sparsellama": "SparseLlamaForCausalLM",
+               "opt": "OPTForCausalLM", "falcon": "FalconForCausalLM", "RefinedWeb": "RWForCausalLM",
+               "RefinedWebModel": "RWForCausalLM"}
 
-# HF `hidden_act` (or architecture) -> FFN kind (docs/design.md, Semantics). All naming lives here.
+# HF activation name -> FFN kind (docs/design.md, Semantics). All naming lives here.
 FFN_KINDS = {
-    "relu": "relu",        # ReGLU: ReluLLaMA, ProSparse without threshold, the shipped model
+    "relu": "relu",        # ReLU: ReluLLaMA, ProSparse without threshold, OPT, ReluFalcon, the shipped model
     "fatrelu": "fatrelu",  # ProSparse: relu with values <= threshold set to 0 (`hidden_act_param`)
     "drelu": "drelu",      # Bamboo / TurboSparse: relu(gate) * relu(up)
     "silu": "silu",        # SwiGLU: dense only
     "swish": "silu",
+    "gelu": "gelu",        # Falcon's default (exact erf GELU): dense only
 }
 # Checkpoints whose config says `hidden_act: relu` but whose FFN is dReLU (their modeling code applies relu to up too).
 DRELU_ARCHITECTURES = ("BambooForCausalLM",)
+# The block around attention and FFN (ref.model): pre-norm residual (LLaMA, OPT, Falcon-RW), post-norm residual
+# (OPT-350m), or Falcon's parallel attention and FFN from the same input, with two norms or one shared.
+BLOCKS = ("pre_norm", "post_norm", "parallel", "parallel_shared")
 
 
 @dataclass(frozen=True)
@@ -39,18 +50,26 @@ class ModelConfig:
     d_ffn: int               # F
     ffn_kind: str            # one of FFN_KINDS' values
     act_threshold: float     # fatrelu threshold t (0 for the others)
-    rms_norm_eps: float
+    norm_eps: float
     rope_theta: float
     max_seq_len: int
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    gated: bool = True       # FFN y = Wd a(Wg x, Wu x) (LLaMA); else y = Wd act(Wu x + bu) + bd (OPT, Falcon)
+    norm: str = "rms"        # "rms" (RMSNorm, weight only) or "layer" (LayerNorm with weight and bias)
+    bias: bool = False       # biases on the attention and FFN matrices
+    positions: str = "rope"  # "rope", or "learned" (OPT: a table of P + 2 rows read at position + 2)
+    block: str = "pre_norm"  # one of BLOCKS
+    fused_qkv: bool = False  # one q/k/v matrix, rows per kv head group: its H/K query heads, its key, its value
+    embed_dim: int = 0       # OPT's word_embed_proj_dim where it differs from D (project_in / project_out), else 0
+    final_norm: bool = True  # a norm before the output head (OPT-350m has none)
 
     @property
     def ffn_matrices(self) -> int:
-        """Rows per neuron: gate, up and down (all our kinds are gated)."""
-        return 3
+        """Rows per neuron: gate, up and down, or up and down for a non-gated FFN."""
+        return 3 if self.gated else 2
 
     @property
     def n_params(self) -> int:
@@ -79,72 +98,176 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(raw: dict, source: str = "config") -> "ModelConfig":
-        def need(key, kind=int):
-            if key not in raw:
-                raise UserError(f"{source}: missing field '{key}'")
-            value = raw[key]
-            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise UserError(f"{source}: field '{key}' must be a positive integer, got {value!r}")
-            if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
-                raise UserError(f"{source}: field '{key}' must be a positive number, got {value!r}")
-            return value
-
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None if archs else MODEL_TYPES.get(raw.get("model_type")))
         if arch is None:
-            raise UserError(f"{source}: unsupported architectures {archs!r} (supported: {', '.join(ARCHITECTURES)})")
-        act = str(raw.get("hidden_act", "silu")).lower()
-        if act not in FFN_KINDS:
-            raise UserError(f"{source}: unsupported hidden_act '{act}' (supported: {', '.join(FFN_KINDS)})")
-        kind = "drelu" if arch in DRELU_ARCHITECTURES and FFN_KINDS[act] == "relu" else FFN_KINDS[act]
-        threshold = float(raw.get("hidden_act_param", 0.0)) if kind == "fatrelu" else 0.0
-
-        d_model, n_heads = need("hidden_size"), need("num_attention_heads")
-        n_kv = raw.get("num_key_value_heads") or n_heads
-        head_dim = raw.get("head_dim") or d_model // n_heads
-        if n_heads % n_kv:
-            raise UserError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
-        if raw.get("rope_scaling"):
-            raise UserError(f"{source}: rope_scaling {raw['rope_scaling']!r} is not supported")
+            raise UserError(f"{source}: unsupported architectures {archs or raw.get('model_type')!r} "
+                            f"(supported: {', '.join(ARCHITECTURES)})")
+        family = ARCHITECTURES[arch]
+        read = Fields(raw, source)
+        fields = PARSERS[family](read, arch)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return ModelConfig(
-            architecture=arch,
-            family=ARCHITECTURES[arch],
-            vocab_size=need("vocab_size"),
-            d_model=d_model,
-            n_layers=need("num_hidden_layers"),
-            n_heads=n_heads,
-            n_kv_heads=n_kv,
-            head_dim=head_dim,
-            d_ffn=need("intermediate_size"),
-            ffn_kind=kind,
-            act_threshold=threshold,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            max_seq_len=need("max_position_embeddings"),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(raw.get("torch_dtype", "float32")),
-        )
+        cfg = ModelConfig(architecture=arch, family=family, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
+                          torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), **fields)
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise UserError(f"{source}: the {cfg.n_heads} attention heads are not a multiple of the {cfg.n_kv_heads} "
+                            "key-value heads")
+        if cfg.head_dim % 2:  # rotate-half RoPE needs it, and so do the engines' attention kernels
+            raise UserError(f"{source}: the head dimension must be even, got {cfg.head_dim}")
+        return cfg
 
 
-# Real architectures' shapes for benchmarks: name -> (D, F, layers, heads, kv heads, vocab).
+class Fields:
+    """A raw config's fields, each checked as it is read; every message names the file and the field."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw, self.source = raw, source
+
+    def __contains__(self, key):
+        return key in self.raw
+
+    def get(self, key, default):
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def int(self, key, default=None):
+        value = self.get(key, default)
+        if value is None:
+            raise UserError(f"{self.source}: missing field '{key}'")
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"{self.source}: field '{key}' must be a positive integer, got {value!r}")
+        return value
+
+    def float(self, key, default, zero_ok=False):
+        value = self.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not zero_ok):
+            raise UserError(f"{self.source}: field '{key}' must be a {'non-negative' if zero_ok else 'positive'} number, "
+                            f"got {value!r}")
+        return float(value)
+
+    def bool(self, key, default):
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise UserError(f"{self.source}: field '{key}' must be true or false, got {value!r}")
+        return value
+
+    def activation(self, key, default):
+        act = str(self.get(key, default)).lower()
+        if act not in FFN_KINDS:
+            raise UserError(f"{self.source}: unsupported {key} '{act}' (supported: {', '.join(FFN_KINDS)})")
+        return FFN_KINDS[act]
+
+    def rope_theta(self):
+        """rope_theta, or transformers 5's rope_parameters; scaled RoPE is refused."""
+        params = self.raw.get("rope_parameters") or {}
+        scaling = self.raw.get("rope_scaling") or {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}
+        if scaling or params.get("rope_type", "default") != "default":
+            raise UserError(f"{self.source}: rope_scaling {self.raw.get('rope_scaling') or params!r} is not supported")
+        return float(params.get("rope_theta", self.raw.get("rope_theta", 10000.0)))
+
+
+def parse_llama(f: Fields, arch: str) -> dict:
+    """LLaMA, Mistral, Bamboo (ReluLLaMA, ProSparse, TurboSparse): RMSNorm, RoPE, GQA, gated FFN, no biases."""
+    kind = f.activation("hidden_act", "silu")
+    kind = "drelu" if arch in DRELU_ARCHITECTURES and kind == "relu" else kind
+    d_model, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
+    return dict(
+        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=f.int("num_key_value_heads", n_heads), head_dim=f.int("head_dim", d_model // n_heads),
+        d_ffn=f.int("intermediate_size"), ffn_kind=kind,
+        act_threshold=f.float("hidden_act_param", 0.0, zero_ok=True) if kind == "fatrelu" else 0.0,
+        norm_eps=f.float("rms_norm_eps", 1e-6), rope_theta=f.rope_theta(), max_seq_len=f.int("max_position_embeddings"),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False))
+
+
+def parse_opt(f: Fields, arch: str) -> dict:
+    """OPT (modeling_opt.py): LayerNorm (eps 1e-5) with bias, learned positions, MHA with biases, FFN fc2 relu(fc1),
+    tied head; pre-norm, or post-norm with a narrower embedding (word_embed_proj_dim) and no final norm (350m)."""
+    kind = f.activation("activation_function", "relu")
+    if not f.bool("layer_norm_elementwise_affine", True):
+        raise UserError(f"{f.source}: layer_norm_elementwise_affine false (LayerNorm without weights) is not supported")
+    d_model, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
+    if d_model % n_heads:
+        raise UserError(f"{f.source}: hidden_size {d_model} is not a multiple of num_attention_heads {n_heads}")
+    pre = f.bool("do_layer_norm_before", True)
+    embed_dim = f.int("word_embed_proj_dim", d_model)
+    return dict(
+        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=n_heads, head_dim=d_model // n_heads, d_ffn=f.int("ffn_dim"), ffn_kind=kind, act_threshold=0.0,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=f.int("max_position_embeddings"),
+        tie_word_embeddings=f.bool("tie_word_embeddings", True), gated=False, norm="layer",
+        bias=f.bool("enable_bias", True), positions="learned", block="pre_norm" if pre else "post_norm",
+        embed_dim=0 if embed_dim == d_model else embed_dim,
+        final_norm=pre and not f.bool("_remove_final_layer_norm", False))
+
+
+# Falcon's RW-era configs (RWForCausalLM, custom code) by transformers' names, as its convert_custom_code_checkpoint does.
+RW_NAMES = {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_head_kv": "num_kv_heads",
+            "n_embed": "hidden_size"}
+
+
+def parse_falcon(f: Fields, arch: str) -> dict:
+    """Falcon (modeling_falcon.py): LayerNorm with bias, RoPE, one fused q/k/v matrix, parallel attention and FFN
+    (two norms in the new decoder architecture, else one shared) or sequential, FFN dense_4h_to_h act(dense_h_to_4h)."""
+    raw = dict(f.raw)
+    if any(k in raw for k in RW_NAMES):
+        raw = {RW_NAMES.get(k, k): v for k, v in raw.items()}
+        raw.setdefault("new_decoder_architecture", "num_kv_heads" in raw)
+    f = Fields(raw, f.source)
+    if f.bool("alibi", False):
+        raise UserError(f"{f.source}: alibi (Falcon-RW's positions) is not supported; rotary Falcon models are")
+    d_model, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
+    new_arch, multi_query = f.bool("new_decoder_architecture", False), f.bool("multi_query", True)
+    # The fused matrix's kv head groups (modeling_falcon's _split_heads): num_kv_heads of them in the new decoder
+    # architecture, one for multi-query, else one per head (q, k, v interleaved head by head).
+    n_kv = f.int("num_kv_heads", n_heads) if new_arch else 1 if multi_query else n_heads
+    parallel = f.bool("parallel_attn", True)
+    norms = f.int("num_ln_in_parallel_attn", 2 if new_arch else 1)
+    if new_arch and not parallel:
+        raise UserError(f"{f.source}: new_decoder_architecture with parallel_attn false is not a Falcon layout")
+    block = "pre_norm" if not parallel else "parallel" if new_arch and norms == 2 else "parallel_shared"
+    return dict(
+        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=n_kv, head_dim=d_model // n_heads, d_ffn=f.int("ffn_hidden_size", 4 * d_model),
+        ffn_kind=f.activation("activation", "gelu"), act_threshold=0.0, norm_eps=f.float("layer_norm_epsilon", 1e-5),
+        rope_theta=f.rope_theta(), max_seq_len=f.int("max_position_embeddings", 2048),
+        tie_word_embeddings=f.bool("tie_word_embeddings", True), gated=False, norm="layer",
+        bias=f.bool("bias", False), block=block, fused_qkv=True)
+
+
+PARSERS = {"llama": parse_llama, "opt": parse_opt, "falcon": parse_falcon}
+def llama_shape(D: int, F: int, L: int, H: int, K: int, V: int) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "hidden_size": D, "intermediate_size": F, "num_hidden_layers": L,
+            "num_attention_heads": H, "num_key_value_heads": K, "vocab_size": V, "rms_norm_eps": 1e-5}
+
+
+# Real architectures' shapes for benchmarks, as config.json fields (ReLU versions: ReluLLaMA, OPT, ReluFalcon).
 SHAPES = {
-    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 32000),
-    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
-    "llama-13b": (5120, 13824, 40, 40, 40, 32000),
-    "llama-70b": (8192, 28672, 80, 64, 8, 32000),
-    "tiny": (256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
-    "micro": (16, 24, 2, 2, 1, 32),  # smoke runs under the CUDA simulator
+    "tinyllama-1.1b": llama_shape(2048, 5632, 22, 32, 4, 32000),
+    "llama-7b": llama_shape(4096, 11008, 32, 32, 32, 32000),
+    "llama-13b": llama_shape(5120, 13824, 40, 40, 40, 32000),
+    "llama-70b": llama_shape(8192, 28672, 80, 64, 8, 32000),
+    "opt-1.3b": {"architectures": ["OPTForCausalLM"], "hidden_size": 2048, "ffn_dim": 8192, "num_hidden_layers": 24,
+                 "num_attention_heads": 32, "vocab_size": 50272},
+    "opt-6.7b": {"architectures": ["OPTForCausalLM"], "hidden_size": 4096, "ffn_dim": 16384, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "vocab_size": 50272},
+    "falcon-7b": {"architectures": ["FalconForCausalLM"], "hidden_size": 4544, "num_hidden_layers": 32,
+                  "num_attention_heads": 71, "multi_query": True, "parallel_attn": True, "vocab_size": 65024},
+    "falcon-40b": {"architectures": ["FalconForCausalLM"], "hidden_size": 8192, "num_hidden_layers": 60,
+                   "num_attention_heads": 128, "num_kv_heads": 8, "new_decoder_architecture": True,
+                   "vocab_size": 65024},
+    "tiny": llama_shape(256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
+    "micro": llama_shape(16, 24, 2, 2, 1, 32),  # smoke runs under the CUDA simulator
 }
+# Family -> the config field that names its FFN activation.
+ACTIVATION_FIELDS = {"llama": "hidden_act", "opt": "activation_function", "falcon": "activation"}
 
 
 def shape_config(name: str, layers: int | None = None, hidden_act: str = "relu") -> ModelConfig:
-    """A ReLU LLaMA config of a named shape (optionally cut to `layers` layers)."""
-    D, F, L, H, K, V = SHAPES[name]
-    return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "hidden_act": hidden_act, "hidden_size": D, "intermediate_size": F,
-        "num_hidden_layers": layers or L, "num_attention_heads": H, "num_key_value_heads": K, "vocab_size": V,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"})
+    """The config of a named shape with activation `hidden_act` (optionally cut to `layers` layers)."""
+    raw = {**SHAPES[name], "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    raw[ACTIVATION_FIELDS[ARCHITECTURES[raw["architectures"][0]]]] = hidden_act
+    if layers:
+        raw["num_hidden_layers"] = layers
+    return ModelConfig.from_dict(raw, source=f"--shape {name}")

@@ -298,7 +298,7 @@ def model_kv(cfg: ModelConfig, arch: str, fmt: Format, name: str) -> list:
           ("add_embedding_length", cfg.d_model), ("add_block_count", cfg.n_layers),
           ("add_feed_forward_length", cfg.d_ffn), ("add_rope_dimension_count", cfg.head_dim),
           ("add_head_count", cfg.n_heads), ("add_head_count_kv", cfg.n_kv_heads),
-          ("add_layer_norm_rms_eps", cfg.rms_norm_eps), ("add_rope_freq_base", cfg.rope_theta),
+          ("add_layer_norm_rms_eps", cfg.norm_eps), ("add_rope_freq_base", cfg.rope_theta),
           ("add_vocab_size", cfg.vocab_size), ("add_string", ACT_KEY, cfg.ffn_kind),
           ("add_float32", ACT_PARAM_KEY, cfg.act_threshold)]
     if cfg.head_dim != cfg.d_model // cfg.n_heads:

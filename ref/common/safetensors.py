@@ -132,3 +132,22 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None
             for i in range(0, rows, step):
                 chunk = np.asarray(t[i:i + step] if len(t.shape) else t)
                 f.write((to_bf16_bits(chunk) if kind == "BF16" else chunk.astype(DTYPES[kind], copy=False)).tobytes())
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """`model.safetensors`, or the shards listed by `model.safetensors.index.json`."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise UserError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise UserError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    if single.is_file():
+        return [single]
+    raise UserError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")

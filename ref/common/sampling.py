@@ -104,8 +104,9 @@ class Timings:
 
 def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
              seed=None, ctx_size=None, on_token=None, timings: Timings | None = None, repeat_last_n=REPEAT_LAST_N,
-             ignore_eos=False, batch_size=512) -> list[int]:
-    """New token ids after the prompt `ids`; stops at EOS (not returned; never with `ignore_eos`), after
+             ignore_eos=False, batch_size=512, stop_ids=None) -> list[int]:
+    """New token ids after the prompt `ids`; stops at EOS (any of `stop_ids`, default the config's; not returned;
+    never with `ignore_eos`), after
     `max_new_tokens` (-1: no limit), or when prompt and output fill the context. `timings.stop` says which.
 
     `model` is any engine with `config`, `new_cache(capacity)` and `forward(batch, cache) -> logits [T, V]`; the
@@ -115,6 +116,7 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     if batch_size < 1:
         raise UserError(f"-b/--batch-size must be >= 1, got {batch_size}")
     cfg = model.config
+    stop_ids = cfg.eos_token_ids if stop_ids is None else stop_ids
     ctx = check_prompt(ids, cfg, ctx_size)
     ids = [int(i) for i in ids]
     timings = timings if timings is not None else Timings()
@@ -133,7 +135,7 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     try:
         while True:
             tok = sample(logits, ids + out, rng, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
-            if tok in cfg.eos_token_ids and not ignore_eos:
+            if tok in stop_ids and not ignore_eos:
                 timings.stop = "eos"
                 break
             out.append(tok)

@@ -1,5 +1,7 @@
-"""Thin wrapper over `tokenizers.Tokenizer`: BOS and EOS from the model's config, never from the template."""
+"""Thin wrapper over `tokenizers.Tokenizer`: BOS from the model's config, the EOS ids every config file of the folder
+names (`stop_ids`), never from the template."""
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -42,9 +44,30 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise UserError(f"{file}: not a valid tokenizer file ({str(e).splitlines()[0][:120]})") from None
     if not (model_dir / "config.json").is_file():
-        return Tokenizer(tok, None, ())
+        return Tokenizer(tok, None, stop_ids(model_dir, tok, ()))
     cfg = ModelConfig.from_hf(model_dir)
-    return Tokenizer(tok, cfg.bos_token_id, cfg.eos_token_ids)
+    return Tokenizer(tok, cfg.bos_token_id, stop_ids(model_dir, tok, cfg.eos_token_ids))
+
+
+def stop_ids(model_dir: Path, tok: HFTokenizer, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """Every end-of-sequence id the folder names, config.json's first: generation_config.json's eos_token_id (an id
+    or a list) and tokenizer_config.json's eos_token (TurboSparse's `<|im_end|>`, where config.json says `</s>`)."""
+    ids = list(eos)
+
+    def read(name):
+        try:
+            raw = json.loads((model_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}  # absent or unreadable: these files only add stop ids
+        return raw if isinstance(raw, dict) else {}
+
+    more = read("generation_config.json").get("eos_token_id")
+    ids += [i for i in (more if isinstance(more, list) else [more]) if isinstance(i, int)]
+    token = read("tokenizer_config.json").get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str) and tok.token_to_id(token) is not None:
+        ids.append(tok.token_to_id(token))
+    return tuple(dict.fromkeys(ids))
 
 
 def gguf_tokenizer(path: Path) -> Tokenizer:

@@ -34,3 +34,27 @@ def test_train_predictors_reports_what_it_sampled(tmp_path):
     assert r.exit_code == 0, r.output
     assert "sampled 400 of the corpus' 400 tokens per layer" in r.output
     assert "below --target-recall" in r.output and out.is_file()
+
+
+def test_pipeline_on_every_family(tmp_path):
+    """Profile, predictors, evaluation and placement on the tiny OPT (post-norm) and Falcon (parallel) checkpoints:
+    the window defaults to their 64-token context; the predictors read each family's FFN block input."""
+    import json
+
+    from tests.helpers import FAMILIES
+    for variant in ("opt-post-ln", "falcon-gqa"):
+        m, out = FAMILIES / variant, tmp_path / variant
+        out.mkdir()
+        r = CliRunner().invoke(load_script("profile").main, [str(m), "-o", str(out / "a.safetensors"),
+                                                              "--max-tokens", "300"])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(load_script("train_predictors").main, [
+            str(m), "-o", str(out / "p.safetensors"), "--max-tokens", "300", "--epochs", "2", "--max-hidden", "32"])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(load_script("eval_sparse").main, [
+            str(m), "--predictors", str(out / "p.safetensors"), "--max-tokens", "200", "--json", str(out / "e.json")])
+        assert r.exit_code == 0, r.output
+        e = json.loads((out / "e.json").read_text())
+        assert min(layer["recall"] for layer in e["layers"]) > 0.8, e["layers"]
+        r = CliRunner().invoke(load_script("eval_sparse").main, [str(m), "--window", "65"])
+        assert r.exit_code == 1 and "--window must be in [2, 64] (the model's context), got 65" in r.output

@@ -9,12 +9,14 @@ import numpy as np
 from fast.cpu import KINDS
 from ref.model import attention as ref_attention
 from ref.quant import blocks, input_values, quantize, values
+from ref.model import layernorm as ref_layernorm
 from ref.model import rmsnorm as ref_rmsnorm
 from ref.model import rope as ref_rope
 from ref.sparse import predicted_set as ref_predicted_set
 from ref.sparse import predictor_logits, sparse_ffn as ref_sparse_ffn
 
 F32 = np.float32
+EMPTY = np.zeros(0, F32)  # an absent norm or bias, as the kernels take it
 
 
 def randn(rng, *shape, scale=1.0):
@@ -33,6 +35,31 @@ def case_rmsnorm(rng, T, D):
     x, w = randn(rng, T, D, scale=3), randn(rng, D)
     out = np.empty_like(x)
     return lambda k: (k.rmsnorm(out, x, w, 1e-5), out)[1], ref_rmsnorm(x, w, 1e-5)
+
+
+NORMS = ("none", "rms", "layer")
+
+
+def norm_weights(rng, D, norm):
+    """A layout's norm weights (fast.cpu.norm: none, RMSNorm, LayerNorm) and ref's function of x [T, D]."""
+    w, b = randn(rng, D), randn(rng, D)
+    if norm == "none":
+        return EMPTY, EMPTY, lambda x: x
+    if norm == "rms":
+        return w, EMPTY, lambda x: ref_rmsnorm(x, w.astype(np.float64), 1e-5)
+    return w, b, lambda x: ref_layernorm(x, w.astype(np.float64), b.astype(np.float64), 1e-5)
+
+
+def case_norm(rng, T, D, norm):
+    x = randn(rng, T, D, scale=3) + 1
+    w, b, want = norm_weights(rng, D, norm)
+    out = np.empty_like(x)
+    return lambda k: (k.norm(out, x, w, b, 1e-5), out)[1], want(x.astype(np.float64))
+
+
+def case_add_bias(rng, T, N, bias=True):
+    x, b = randn(rng, T, N), randn(rng, N) if bias else EMPTY
+    return lambda k: (lambda out: (k.add_bias(out, b), out)[1])(x.copy()), x + (b if bias else 0)
 
 
 def case_matmul(rng, T, N, K, fmt="f32"):
@@ -65,35 +92,53 @@ def case_attention(rng, T, S, H, K, E):
             ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.arange(pos0, S)))
 
 
-def case_attention_block(rng, T, S, H, K, E, D, fmt="f32"):
-    """The fast block against ref's rmsnorm, projections, rope and attention; positions before S - T are cached."""
-    h, w = randn(rng, T, D), randn(rng, D)
+def case_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False):
+    """The fast block against ref's norm, projections (with biases where asked), rope and attention; positions before
+    S - T are cached."""
+    h = randn(rng, T, D)
+    w, wb, normed = norm_weights(rng, D, norm)
     (wqkv_b, wqkv, read_qkv), (wo_b, wo, read_o) = stored(randn(rng, (H + 2 * K) * E, D), fmt), stored(randn(rng, D, H * E), fmt)
+    bqkv, bo = (randn(rng, (H + 2 * K) * E), randn(rng, D)) if bias else (EMPTY, EMPTY)
     kc, vc = randn(rng, S + 2, K, E), randn(rng, S + 2, K, E)  # capacity S + 2: the rows after S stay unread
     pos0 = S - T
     cos, sin = rope_tables_for(E)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    qkv = read_qkv(ref_rmsnorm(f64(h), f64(w), 1e-5)) @ wqkv.T  # [T, (H + 2K) E]
+    qkv = read_qkv(normed(f64(h))) @ wqkv.T + (bqkv if bias else 0)  # [T, (H + 2K) E]
     q, k, v = np.split(qkv, [H * E, (H + K) * E], axis=1)
     pos = np.arange(pos0, S)
     q, k = ref_rope(q.reshape(T, H, E), pos, 500.0), ref_rope(k.reshape(T, K, E), pos, 500.0)
     keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
-    want = read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T  # [T, D]
+    want = read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T + (bo if bias else 0)  # [T, D]
     out = np.empty((T, D), F32)
-    return lambda k: (k.attention_block(out, h, w, wqkv_b, wo_b, kc.copy(), vc.copy(), cos, sin, pos0, 1e-5), out)[1], want
+    return (lambda k: (k.attention_block(out, h, w, wb, wqkv_b, bqkv, wo_b, bo, kc.copy(), vc.copy(), cos, sin, pos0,
+                                         1e-5), out)[1], want)
 
 
-def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
-    x, (bundle, bv, read) = randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
+def ffn_weights(rng, F, D, fmt, gated):
+    """A neuron bundle in a format's storage ([F, 3, D] gated, [F, 2, D] not; rows scaled so activations stay O(1)),
+    the non-gated up rows' bias, and ref.sparse.sparse_ffn of one token x over a set."""
+    bundle, bv, read = stored(randn(rng, F, 3 if gated else 2, D, scale=0.5), fmt)
+    bu = EMPTY if gated else randn(rng, F, scale=0.5)
+
+    def want(x, active, kind):
+        return ref_sparse_ffn(read(x), bv[:, 0] if gated else None, bv[:, -2], bv[:, -1].T, active, kind, 0.1,
+                              np.float64, None if gated else bu)
+    return bundle, bu, want
+
+
+def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32", gated=True):
+    x = randn(rng, D)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
-    want = ref_sparse_ffn(read(x), bv[:, 0], bv[:, 1], bv[:, 2].T, active, kind, 0.1, np.float64)
-    return lambda k: (k.sparse_ffn(out, acc, x, bundle, active, n_active, KINDS[kind], F32(0.1)), out)[1], want
+    return (lambda k: (k.sparse_ffn(out, acc, x, bundle, bu, active, n_active, KINDS[kind], F32(0.1)), out)[1],
+            want(x, active, kind))
 
 
-def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, full=False):
+def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, full=False, gated=True):
     """T tokens, each with its own predicted set (one empty, one full where asked), over the union of the sets."""
-    x, (bundle, bv, read) = randn(rng, T, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
+    x = randn(rng, T, D)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated)
     sets = [np.sort(rng.choice(F, rng.integers(0, F + 1), replace=False)).astype(np.int32) for _ in range(T)]
     if empty:
         sets[0] = np.empty(0, np.int32)
@@ -104,20 +149,21 @@ def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, 
     for t, a in enumerate(sets):
         mask[t, np.searchsorted(union, a)] = 1
     out, acc = np.empty((T, D), F32), np.empty((chunks, T, D), F32)
-    want = np.stack([ref_sparse_ffn(read(x[t]), bv[:, 0], bv[:, 1], bv[:, 2].T, sets[t], kind, 0.1, np.float64)
-                     for t in range(T)])
-    return (lambda k: (k.sparse_ffn_batch(out, acc, x, bundle, union, len(union), mask, KINDS[kind], F32(0.1)), out)[1],
-            want)
+    return (lambda k: (k.sparse_ffn_batch(out, acc, x, bundle, bu, union, len(union), mask, KINDS[kind], F32(0.1)),
+                       out)[1],
+            np.stack([want(x[t], sets[t], kind) for t in range(T)]))
 
 
-def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32"):
-    h, w, (bundle, bv, read) = randn(rng, D, scale=3), randn(rng, D), stored(randn(rng, F, 3, D, scale=0.5), fmt)
+def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32", norm="rms", gated=True):
+    h = randn(rng, D, scale=3)
+    w, b, normed = norm_weights(rng, D, norm)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated)
+    bd = EMPTY if gated else randn(rng, D)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
-    x = read(ref_rmsnorm(h[None].astype(np.float64), w.astype(np.float64), 1e-5)[0])
-    want = ref_sparse_ffn(x, bv[:, 0], bv[:, 1], bv[:, 2].T, active, kind, 0.1, np.float64)
-    return (lambda k: (k.ffn_block(out, acc, h, w, bundle, active, n_active, KINDS[kind], F32(0.1), 1e-5), out)[1],
-            want)
+    return (lambda k: (k.ffn_block(out, acc, h, w, b, bundle, bu, bd, active, n_active, KINDS[kind], F32(0.1), 1e-5),
+                       out)[1],
+            want(normed(h[None].astype(np.float64))[0], active, kind) + (0 if gated else bd))
 
 
 def case_predictor(rng, T, D, R, F):
@@ -135,7 +181,7 @@ def case_predicted_set(rng, F, threshold):
 
 
 CASES = {
-    "rmsnorm": case_rmsnorm, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
+    "rmsnorm": case_rmsnorm, "norm": case_norm, "add_bias": case_add_bias, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
 }
@@ -146,6 +192,9 @@ CASES = {
 SHAPES = [
     ("rmsnorm", dict(T=1, D=7), False), ("rmsnorm", dict(T=5, D=100), False),
     ("rmsnorm", dict(T=2, D=19), True), ("rmsnorm", dict(T=1, D=5), True),
+    *[("norm", dict(T=T, D=D, norm=n), sim) for n in NORMS for T, D, sim in ((1, 7, False), (5, 100, False), (2, 19, True))],
+    ("add_bias", dict(T=3, N=17), False), ("add_bias", dict(T=2, N=5, bias=False), False),
+    ("add_bias", dict(T=2, N=9), True), ("add_bias", dict(T=1, N=4, bias=False), True),
     ("matmul", dict(T=1, N=33, K=17), False), ("matmul", dict(T=4, N=100, K=65), False),
     ("matmul", dict(T=3, N=1, K=5), False),
     ("matmul", dict(T=2, N=301, K=9), False),  # >= 4 rows per chunk: the four-stream path
@@ -162,6 +211,13 @@ SHAPES = [
     ("sparse_ffn", dict(F=64, D=16, n_active=50, kind="drelu"), False),
     ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="silu"), False),
     ("sparse_ffn", dict(F=9, D=5, n_active=2, kind="relu", chunks=7), False),
+    # non-gated FFNs (OPT, Falcon): up and down rows, the up rows' bias; ReLU, and GELU (dense only)
+    ("sparse_ffn", dict(F=100, D=33, n_active=37, kind="relu", gated=False), False),
+    ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu", gated=False), False),
+    ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="gelu", gated=False), False),
+    ("sparse_ffn", dict(F=50, D=8, n_active=50, kind="gelu"), False),
+    ("sparse_ffn", dict(F=12, D=9, n_active=7, kind="relu", gated=False), True),
+    ("sparse_ffn", dict(F=6, D=9, n_active=6, kind="gelu", gated=False), True),
     ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu"), True),
     ("sparse_ffn", dict(F=12, D=19, n_active=12, kind="relu"), True),
     ("sparse_ffn", dict(F=30, D=9, n_active=7, kind="fatrelu"), True),
@@ -176,13 +232,21 @@ SHAPES = [
     ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33), False),
     ("attention_block", dict(T=1, S=6, H=2, K=1, E=4, D=9), True),
     ("attention_block", dict(T=3, S=3, H=2, K=2, E=4, D=5), True),
+    ("attention_block", dict(T=2, S=7, H=4, K=4, E=8, D=19, norm="layer", bias=True), False),
+    ("attention_block", dict(T=3, S=5, H=2, K=2, E=4, D=9, norm="none", bias=True), False),
+    ("attention_block", dict(T=2, S=4, H=2, K=1, E=4, D=9, norm="layer", bias=True), True),
     ("ffn_block", dict(F=50, D=19, n_active=13, kind="relu"), False),
     ("ffn_block", dict(F=20, D=8, n_active=20, kind="silu"), False),
     ("ffn_block", dict(F=9, D=5, n_active=0, kind="relu"), False),
     ("ffn_block", dict(F=12, D=9, n_active=5, kind="relu"), True), ("ffn_block", dict(F=6, D=5, n_active=0, kind="relu"), True),
+    ("ffn_block", dict(F=40, D=19, n_active=13, kind="relu", norm="layer", gated=False), False),
+    ("ffn_block", dict(F=20, D=8, n_active=20, kind="gelu", norm="none", gated=False), False),
+    ("ffn_block", dict(F=12, D=9, n_active=5, kind="relu", norm="layer", gated=False), True),
     ("sparse_ffn_batch", dict(T=5, F=40, D=19, kind="relu", empty=True, full=True), False),
     ("sparse_ffn_batch", dict(T=1, F=9, D=8, kind="drelu"), False),
     ("sparse_ffn_batch", dict(T=3, F=30, D=33, kind="fatrelu", chunks=7), False),
+    ("sparse_ffn_batch", dict(T=6, F=40, D=19, kind="relu", empty=True, full=True, gated=False), False),
+    ("sparse_ffn_batch", dict(T=2, F=9, D=8, kind="gelu", gated=False), False),
     # every weight-reading kernel in every format fast.cpu reads
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("f16", "bf16") for name, shape in (
         ("matmul", dict(T=2, N=301, K=9)), ("matmul", dict(T=1, N=7, K=40)),
@@ -198,6 +262,8 @@ SHAPES = [
         ("sparse_ffn", dict(F=20, D=32, n_active=0, kind="relu")), ("sparse_ffn", dict(F=9, D=64, n_active=2, kind="relu", chunks=7)),
         ("ffn_block", dict(F=50, D=64, n_active=13, kind="fatrelu")),
         ("sparse_ffn_batch", dict(T=4, F=20, D=64, kind="relu", empty=True, full=True)),
+        ("sparse_ffn_batch", dict(T=5, F=20, D=64, kind="relu", full=True, gated=False)),
+        ("sparse_ffn", dict(F=30, D=64, n_active=11, kind="relu", gated=False)),
         ("attention_block", dict(T=2, S=7, H=4, K=1, E=8, D=64)))],
 ]
 # Every weight format under the CUDA simulator too, on few blocks: one or two rows of whole 32-element blocks.

@@ -100,3 +100,17 @@ def test_bench_prompt_processing(tmp_path):
     pp = json.loads((tmp_path / "b.json").read_text())["pp"]
     assert pp["tokens"] == 9 and pp["dense_tok_s"] > 0 and pp["sparse_tok_s"] > 0
     assert "| numba-cpu sparse | 1 | pp9 |" in r.output
+
+
+@pytest.mark.parametrize("shape", ["opt-1.3b", "falcon-7b", "falcon-40b"])
+def test_random_engine_of_every_family(shape):
+    """The benchmarks' synthetic model is laid out by Engine.load, for any family (a narrow cut of the real shape)."""
+    from dataclasses import replace
+
+    from fast.bench import random_engine
+    cfg = shape_config(shape, layers=2)
+    H = max(1, cfg.n_heads // 16)
+    small = replace(cfg, d_model=cfg.head_dim * H, n_heads=H, n_kv_heads=max(1, cfg.n_kv_heads // 16), d_ffn=256,
+                    vocab_size=300, max_seq_len=16)
+    logits = random_engine(small, 1).logits([1, 2, 3])
+    assert logits.shape == (3, 300) and np.isfinite(logits).all()

@@ -18,6 +18,7 @@ def test_shipped_config():
     ("relu", "LlamaForCausalLM", "relu", 0.0),
     ("fatrelu", "LlamaForCausalLM", "fatrelu", 0.01),
     ("relu", "BambooForCausalLM", "drelu", 0.0),
+    ("fatrelu", "SparseLlamaForCausalLM", "fatrelu", 0.01),
     ("drelu", "MistralForCausalLM", "drelu", 0.0),
     ("silu", "LlamaForCausalLM", "silu", 0.0),
 ])
@@ -33,7 +34,7 @@ def test_defaults_mha_and_head_dim():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu' (supported: relu"),
+    ({"hidden_act": "gelu_new"}, "unsupported hidden_act 'gelu_new' (supported: relu"),
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architectures"),
     ({"hidden_size": 0}, "'hidden_size' must be a positive integer"),
     ({"num_key_value_heads": 3}, "not a multiple"),

@@ -1,0 +1,92 @@
+"""Write the tiny test checkpoints of the other families (OPT, Falcon), one per variant, with golden logits.
+
+Each is a randomly initialised transformers model saved exactly as transformers saves it (`save_pretrained`:
+config.json, generation_config.json, model.safetensors), the shipped model's tokenizer beside it, and
+golden.safetensors: the logits transformers computes in float64 for fixed prompts (`prompts.{j}.ids`,
+`prompts.{j}.logits`), the oracle tests/ref/test_families.py holds ref and fast to. Needs the `train` extra
+(torch, transformers); nothing else imports them.
+
+    python scripts/make_family_models.py -o tests/families
+"""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# Run as a file, this folder comes first on sys.path, and its profile.py would stand in for the standard library's
+# `profile`, which torch imports.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "data" / "tiny-relu-llama"
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time", "a"]
+
+COMMON = dict(vocab_size=4096, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# variant -> (transformers config class, its fields): every block layout and q/k/v layout the loaders know.
+VARIANTS = {
+    "opt-pre-ln": ("OPTConfig", dict(ffn_dim=128, do_layer_norm_before=True)),
+    "opt-post-ln": ("OPTConfig", dict(ffn_dim=128, do_layer_norm_before=False, word_embed_proj_dim=16)),
+    "falcon-gqa": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True, bias=True,
+                                        ffn_hidden_size=128, activation="relu")),
+    "falcon-multi-query": ("FalconConfig", dict(multi_query=True, parallel_attn=True, bias=False, ffn_hidden_size=128,
+                                                activation="relu")),
+    "falcon-interleaved": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True, ffn_hidden_size=128,
+                                                activation="relu")),
+}
+
+
+def make(name: str, out: Path, seed: int) -> None:
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer
+
+    cls, fields = VARIANTS[name]
+    cfg = getattr(transformers, cls)(**COMMON, **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # weights large enough that every layer matters; biases and norms not at their init
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif p.ndim == 1:
+                p.copy_(1 + torch.randn_like(p) * 0.1)
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copy(SHIPPED / "tokenizer.json", out / "tokenizer.json")
+    tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
+    gold = {}
+    model = model.double()
+    for j, prompt in enumerate(PROMPTS):
+        ids = [cfg.bos_token_id, *tok.encode(prompt, add_special_tokens=False).ids]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+        gold[f"prompts.{j}.ids"] = np.asarray(ids, dtype=np.int64)
+        gold[f"prompts.{j}.logits"] = logits.float().numpy()
+    tmp = out / "golden.safetensors.tmp"
+    save_file(gold, str(tmp))
+    os.replace(tmp, out / "golden.safetensors")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=ROOT / "tests" / "families",
+              show_default=True, help="Folder to write one model folder per variant into.")
+@click.option("--variant", "variants", multiple=True, type=click.Choice(list(VARIANTS)),
+              help="Only these variants [default: all].")
+@click.option("--seed", default=0, show_default=True)
+def main(out_dir: Path, variants, seed: int) -> None:
+    """Write the tiny OPT and Falcon test checkpoints with golden logits."""
+    for name in variants or VARIANTS:
+        make(name, out_dir / name, seed)
+        click.echo(f"{out_dir / name}: written")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""OPT and Falcon in the reference: golden logits from transformers for every variant, the layouts their real
+checkpoints come in, and one clear line for what is refused."""
+
+import re
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import ref
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.sparse import apply_oracle
+from tests.helpers import FAMILIES, VARIANTS, assert_close, variant_copy
+
+
+def golden(variant):
+    g = load_file(FAMILIES / variant / "golden.safetensors")
+    return [(g[f"prompts.{j}.ids"], g[f"prompts.{j}.logits"]) for j in range(len(g) // 2)]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request):
+    return request.param, ref.load_model(FAMILIES / request.param)
+
+
+def check_golden(model, variant, rtol=1e-4):
+    for j, (ids, want) in enumerate(golden(variant)):
+        got = model.logits(ids)
+        for t in range(len(ids)):
+            assert_close(got[t], want[t], rtol=rtol, name=f"{variant} prompt {j} position {t}")
+
+
+def test_golden_logits(variant):
+    """ref matches transformers' float64 logits to 1e-4 relative per position."""
+    check_golden(variant[1], variant[0])
+
+
+def test_oracle_sparse_equals_dense(variant):
+    """Over the neurons that fire (biases included) the sparse FFN is the dense one."""
+    name, model = variant
+    ids = golden(name)[0][0]
+    dense = model.logits(ids)
+    sparse = apply_oracle(ref.load_model(FAMILIES / name)).logits(ids)
+    assert_close(sparse, dense, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant, block, kv_heads", [
+    ("opt-pre-ln", "pre_norm", 4), ("opt-post-ln", "post_norm", 4), ("falcon-gqa", "parallel", 2),
+    ("falcon-multi-query", "parallel_shared", 1), ("falcon-interleaved", "pre_norm", 4)])
+def test_variant_configs(variant, block, kv_heads):
+    c = ModelConfig.from_hf(FAMILIES / variant)
+    assert (c.block, c.n_kv_heads, c.gated, c.norm, c.ffn_kind) == (block, kv_heads, False, "layer", "relu")
+    assert c.embed_dim == (16 if variant == "opt-post-ln" else 0) and c.final_norm == (variant != "opt-post-ln")
+
+
+def test_opt_files_without_model_prefix_and_with_a_tied_head(tmp_path):
+    """facebook/opt-* name their tensors decoder.*; older exports also save the tied head."""
+    emb = load_file(FAMILIES / "opt-pre-ln" / "model.safetensors")["model.decoder.embed_tokens.weight"]
+    folder = variant_copy(tmp_path, "opt-pre-ln", rename=lambda n: n.removeprefix("model."),
+                          add={"lm_head.weight": emb})
+    check_golden(ref.load_model(folder), "opt-pre-ln")
+
+
+def test_falcon_rw_config_names(tmp_path):
+    """RWForCausalLM configs (n_head, n_head_kv, n_layer) read as transformers converts them: n_head_kv means the
+    new decoder architecture."""
+    folder = variant_copy(tmp_path, "falcon-gqa", config={
+        "architectures": ["RWForCausalLM"], "model_type": "RefinedWeb", "n_head": 4, "n_head_kv": 2, "n_layer": 2,
+        "num_attention_heads": None, "num_kv_heads": None, "num_hidden_layers": None,
+        "new_decoder_architecture": None, "num_ln_in_parallel_attn": None})
+    check_golden(ref.load_model(folder), "falcon-gqa")
+
+
+@pytest.mark.parametrize("variant, change, message", [
+    ("falcon-gqa", {"alibi": True}, "alibi (Falcon-RW's positions) is not supported"),
+    ("opt-pre-ln", {"activation_function": "gelu_new"}, "unsupported activation_function 'gelu_new'"),
+    ("opt-pre-ln", {"architectures": ["GPT2LMHeadModel"]}, "unsupported architectures ['GPT2LMHeadModel']"),
+    ("falcon-gqa", {"num_kv_heads": 4}, "query_key_value.weight has shape (64, 32), config.json implies (96, 32)"),
+    ("falcon-multi-query", {"multi_query": False}, "query_key_value.weight has shape (48, 32), config.json implies"),
+    ("opt-post-ln", {"word_embed_proj_dim": None}, "unexpected tensor(s), first model.decoder.project_in.weight"),
+    ("falcon-gqa", {"num_kv_heads": 3}, "4 attention heads are not a multiple of the 3 key-value heads"),
+])
+def test_refused_with_one_line(tmp_path, variant, change, message):
+    folder = variant_copy(tmp_path, variant, config=change)
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        ref.load_model(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_tensor_is_named(tmp_path):
+    folder = variant_copy(tmp_path, "falcon-gqa", add={"transformer.h.0.extra.weight": np.zeros(3, np.float32)})
+    with pytest.raises(UserError, match="unexpected tensor.*transformer.h.0.extra.weight"):
+        ref.load_model(folder)
+
+
+def turbosparse(folder, drop_layer=None):
+    """A Bamboo checkpoint that carries its predictors (mlp.predictor.fc1 / fc2, as TurboSparse's files do), and
+    TurboSparse's stop token in tokenizer_config.json only."""
+    import json
+
+    from tests.helpers import SMALL_CONFIG, random_tensors, write_model
+    cfg = {**SMALL_CONFIG, "architectures": ["BambooForCausalLM"], "model_type": "bamboo"}
+    t = random_tensors(cfg, seed=2)
+    rng = np.random.default_rng(3)
+    for l in range(cfg["num_hidden_layers"]):
+        if l != drop_layer:
+            t[f"model.layers.{l}.mlp.predictor.fc1.weight"] = rng.standard_normal((6, 32)).astype(np.float32)
+        t[f"model.layers.{l}.mlp.predictor.fc2.weight"] = rng.standard_normal((100, 6)).astype(np.float32)
+    write_model(folder, cfg, tensors=t)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    return folder
+
+
+def test_carried_predictors_are_understood(tmp_path):
+    from ref.common.checkpoint import load_checkpoint
+    w = load_checkpoint(turbosparse(tmp_path))
+    assert w.config.ffn_kind == "drelu" and w.predictors is not None and w.predictors.threshold == 0.0
+    assert [a.shape for a in w.predictors.fc1] == [(6, 32)] * 2 and [b.shape for b in w.predictors.fc2] == [(100, 6)] * 2
+    sparse = ref.apply_predictors(ref.load_model(tmp_path), w.predictors)
+    assert sparse.logits([1, 5, 9]).shape == (3, 50)
+
+
+def test_carried_predictors_must_cover_every_layer(tmp_path):
+    with pytest.raises(UserError, match="carries predictors but not layer 1's fc1"):
+        ref.load_model(turbosparse(tmp_path, drop_layer=1))
+
+
+def test_every_stop_id_the_folder_names(tmp_path):
+    """config.json's eos id, generation_config.json's list, and tokenizer_config.json's eos token."""
+    import shutil
+
+    from ref.common.tokenizer import load_tokenizer
+    from tests.helpers import SHIPPED
+    turbosparse(tmp_path)
+    shutil.copy(SHIPPED / "tokenizer.json", tmp_path / "tokenizer.json")
+    tok = load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "' + tok.tok.id_to_token(3) + '"}')
+    assert load_tokenizer(tmp_path).eos_ids == (2, 7, 3)
