@@ -51,9 +51,10 @@ class RandomTensors(Mapping):
         return len(self.shapes)
 
 
-def random_engine(cfg: ModelConfig, threads: int, seed: int = 0) -> Engine:
-    """Random float32 weights laid out as Engine.load lays out a checkpoint."""
-    return Engine.load(Weights(cfg, RandomTensors(cfg, seed)), threads)
+def random_engine(cfg: ModelConfig, threads: int, seed: int = 0, fmt: Format | None = None) -> Engine:
+    """Random weights laid out as Engine.load lays out a checkpoint, in `fmt` (default float32): converted a layer
+    at a time, so that a 7B shape in q4_0 never holds the model in float32."""
+    return Engine.load(Weights(cfg, RandomTensors(cfg, seed)), threads, fmt)
 
 
 def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:

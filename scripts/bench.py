@@ -17,7 +17,7 @@ import numpy as np
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
                         overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, synthetic_predictors)
-from fast.engine import Selector, convert
+from fast.engine import Selector
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
@@ -76,7 +76,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     cfg = shape_config(shape, layers)
     if with_peer and cfg.family != "llama":
         raise click.UsageError(f"--peer times llama.cpp on a LLaMA-family GGUF; {shape} is a {cfg.family} shape")
-    engine = convert(random_engine(cfg, threads), FORMATS[type_])
+    engine = random_engine(cfg, threads, fmt=FORMATS[type_])
     R = predictor_size(cfg)
     pfmt = FORMATS[predictor_type] if predictor_type else predictor_format(engine.format)
     pred = quantize_predictors(synthetic_predictors(cfg, R), pfmt)

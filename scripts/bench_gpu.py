@@ -12,7 +12,7 @@ from numba import cuda
 
 from fast import gpu
 from fast.bench import SyntheticSelector, predictor_size, random_engine, synthetic_predictors, time_decode
-from fast.engine import Selector, convert
+from fast.engine import Selector
 from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
@@ -77,7 +77,7 @@ def main(shape, budgets, sparsity, tokens, runs, type_, threads, json_file):
     require_gpu("scripts/bench_gpu.py")
     cfg = shape_config(shape)
     kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity, type_)
-    base = convert(random_engine(cfg, threads), FORMATS[type_])
+    base = random_engine(cfg, threads, fmt=FORMATS[type_])
     pred = synthetic_predictors(cfg, predictor_size(cfg))
     model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.bundle.nbytes for L in base.layers) + base.lm_head.nbytes
     counts = synthetic_counts(cfg.n_layers, cfg.d_ffn, seed=0)

@@ -17,5 +17,5 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 180 "$PY" -m pytest -q tests/fast/test_gpu_kernels.py tests/fast/test_hybrid.py 2>&1 | tail -5
+timeout 180 "$PY" -m pytest -q tests/fast/test_gpu_kernels.py tests/fast/test_hybrid.py tests/fast/test_families.py -k "gpu or hybrid" 2>&1 | tail -5
 timeout 330 "$PY" scripts/bench_gpu.py --shape llama-7b --json "$OUT/bench_gpu.json" 2>&1 | tail -12

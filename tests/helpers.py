@@ -104,3 +104,19 @@ def variant_copy(folder: Path, variant: str, config: dict | None = None, rename=
     tensors = {(rename or (lambda n: n))(n): t for n, t in load_file(src / "model.safetensors").items() if n not in drop}
     save_file({**tensors, **(add or {})}, str(folder / "model.safetensors"))
     return folder
+
+
+def turbosparse(folder, drop_layer=None):
+    """A Bamboo checkpoint that carries its predictors (mlp.predictor.fc1 / fc2, as TurboSparse's files do), and
+    TurboSparse's stop token in tokenizer_config.json only."""
+    cfg = {**SMALL_CONFIG, "architectures": ["BambooForCausalLM"], "model_type": "bamboo"}
+    t = random_tensors(cfg, seed=2)
+    rng = np.random.default_rng(3)
+    for l in range(cfg["num_hidden_layers"]):
+        if l != drop_layer:
+            t[f"model.layers.{l}.mlp.predictor.fc1.weight"] = rng.standard_normal((6, 32)).astype(np.float32)
+        t[f"model.layers.{l}.mlp.predictor.fc2.weight"] = rng.standard_normal((100, 6)).astype(np.float32)
+    write_model(folder, cfg, tensors=t)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    return folder

@@ -1,4 +1,4 @@
-"""Thin wrapper over `tokenizers.Tokenizer`: BOS from the model's config, the EOS ids every config file of the folder
+"""Thin wrapper over `tokenizers.Tokenizer`: BOS from the model's config where its tokenizer adds one, the EOS ids every config file of the folder
 names (`stop_ids`), never from the template."""
 
 import json
@@ -46,24 +46,33 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not (model_dir / "config.json").is_file():
         return Tokenizer(tok, None, stop_ids(model_dir, tok, ()))
     cfg = ModelConfig.from_hf(model_dir)
-    return Tokenizer(tok, cfg.bos_token_id, stop_ids(model_dir, tok, cfg.eos_token_ids))
+    adds = read_json(model_dir / "tokenizer_config.json").get("add_bos_token", ADDS_BOS[cfg.family])
+    return Tokenizer(tok, cfg.bos_token_id if adds is True else None, stop_ids(model_dir, tok, cfg.eos_token_ids))
+
+
+# Family -> whether a prompt starts with BOS where tokenizer_config.json does not say (add_bos_token): as each
+# family's transformers tokenizer does, LLaMA's adding it, OPT's configured to (its BOS is </s>), Falcon's not
+# (its config names a BOS that its tokenizer never adds).
+ADDS_BOS = {"llama": True, "opt": True, "falcon": False}
+
+
+def read_json(file: Path) -> dict:
+    """A JSON object from an optional file of a model folder; {} where it is absent or unreadable (these files only
+    refine what config.json says)."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def stop_ids(model_dir: Path, tok: HFTokenizer, eos: tuple[int, ...]) -> tuple[int, ...]:
     """Every end-of-sequence id the folder names, config.json's first: generation_config.json's eos_token_id (an id
     or a list) and tokenizer_config.json's eos_token (TurboSparse's `<|im_end|>`, where config.json says `</s>`)."""
     ids = list(eos)
-
-    def read(name):
-        try:
-            raw = json.loads((model_dir / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}  # absent or unreadable: these files only add stop ids
-        return raw if isinstance(raw, dict) else {}
-
-    more = read("generation_config.json").get("eos_token_id")
+    more = read_json(model_dir / "generation_config.json").get("eos_token_id")
     ids += [i for i in (more if isinstance(more, list) else [more]) if isinstance(i, int)]
-    token = read("tokenizer_config.json").get("eos_token")
+    token = read_json(model_dir / "tokenizer_config.json").get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
     if isinstance(token, str) and tok.token_to_id(token) is not None:
         ids.append(tok.token_to_id(token))

@@ -10,7 +10,7 @@ from fast import Engine, apply_predictors
 from fast.bench import synthetic_predictors
 from fast.hybrid import to_hybrid
 from ref.common.batch import Batch
-from tests.helpers import FAMILIES, VARIANTS, assert_close
+from tests.helpers import FAMILIES, VARIANTS, assert_close, turbosparse
 
 
 def golden(variant):
@@ -73,3 +73,15 @@ def test_hybrid_matches_ref(name):
     dense = [f"attention.{l}" for l in range(cfg.n_layers)] + ["predictor.0"]
     hybrid = to_hybrid(apply_predictors(Engine.load(FAMILIES / name, threads=2), pred), hot, dense_on_gpu=dense)
     assert_close(hybrid.logits(ids), want, rtol=1e-4)
+
+
+def test_a_checkpoint_s_own_predictors_run_by_default(tmp_path):
+    """TurboSparse's folder: fast.run's default (no predictors file beside it) runs the predictors it carries."""
+    from fast.load import EMBEDDED, default_predictors, load_engine
+    from ref.common.checkpoint import load_checkpoint
+    d = turbosparse(tmp_path)
+    assert default_predictors(d, None, False) == EMBEDDED and default_predictors(d, None, True) is None
+    engine = load_engine(d, predictors=default_predictors(d, None, False), threads=1)
+    want = ref.apply_predictors(ref.load_model(d), load_checkpoint(d).predictors).logits([1, 5, 9, 3])
+    assert engine.selector.predicts and engine.selector.threshold == 0
+    assert_close(engine.logits([1, 5, 9, 3]), want, rtol=1e-4)

@@ -11,7 +11,7 @@ import ref
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.sparse import apply_oracle
-from tests.helpers import FAMILIES, VARIANTS, assert_close, variant_copy
+from tests.helpers import FAMILIES, VARIANTS, assert_close, turbosparse, variant_copy
 
 
 def golden(variant):
@@ -94,25 +94,6 @@ def test_unknown_tensor_is_named(tmp_path):
         ref.load_model(folder)
 
 
-def turbosparse(folder, drop_layer=None):
-    """A Bamboo checkpoint that carries its predictors (mlp.predictor.fc1 / fc2, as TurboSparse's files do), and
-    TurboSparse's stop token in tokenizer_config.json only."""
-    import json
-
-    from tests.helpers import SMALL_CONFIG, random_tensors, write_model
-    cfg = {**SMALL_CONFIG, "architectures": ["BambooForCausalLM"], "model_type": "bamboo"}
-    t = random_tensors(cfg, seed=2)
-    rng = np.random.default_rng(3)
-    for l in range(cfg["num_hidden_layers"]):
-        if l != drop_layer:
-            t[f"model.layers.{l}.mlp.predictor.fc1.weight"] = rng.standard_normal((6, 32)).astype(np.float32)
-        t[f"model.layers.{l}.mlp.predictor.fc2.weight"] = rng.standard_normal((100, 6)).astype(np.float32)
-    write_model(folder, cfg, tensors=t)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    return folder
-
-
 def test_carried_predictors_are_understood(tmp_path):
     from ref.common.checkpoint import load_checkpoint
     w = load_checkpoint(turbosparse(tmp_path))
@@ -138,3 +119,18 @@ def test_every_stop_id_the_folder_names(tmp_path):
     tok = load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "' + tok.tok.id_to_token(3) + '"}')
     assert load_tokenizer(tmp_path).eos_ids == (2, 7, 3)
+
+
+@pytest.mark.parametrize("variant, config, bos", [
+    ("opt-pre-ln", None, True), ("falcon-gqa", None, False), ("falcon-gqa", {"add_bos_token": True}, True),
+    ("opt-pre-ln", {"add_bos_token": False}, False)])
+def test_bos_as_the_family_tokenizer_adds_it(tmp_path, variant, config, bos):
+    """A prompt starts with BOS as transformers' tokenizer of the family does, unless tokenizer_config.json says."""
+    import json
+    import shutil
+
+    from ref.common.tokenizer import load_tokenizer
+    shutil.copytree(FAMILIES / variant, tmp_path / variant)
+    if config is not None:
+        (tmp_path / variant / "tokenizer_config.json").write_text(json.dumps(config))
+    assert (load_tokenizer(tmp_path / variant).encode("once")[0] == 1) == bos
