@@ -70,6 +70,11 @@ def as_format(t, fmt: Format) -> np.ndarray:
     return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt))
 
 
+def vector(w: Weights, name: str) -> np.ndarray:
+    """A norm's or bias's float32 values; EMPTY where the checkpoint has none."""
+    return np.ascontiguousarray(upcast(w[name], F32)) if name in w.tensors else EMPTY
+
+
 def layout(w: Weights, l: int, fmt: Format) -> Layer:
     """Block l with its matrices in `fmt`: q, k, v fused as [q | k | v] (a fused checkpoint matrix reordered so,
     ref.model.qkv_rows); each neuron's gate row, up row and down column in one bundle (the down matrix transposed,
@@ -77,14 +82,14 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
     c, p = w.config, f"layers.{l}."
 
     def vec(name):
-        return np.ascontiguousarray(upcast(w[p + name], F32)) if p + name in w.tensors else EMPTY
+        return vector(w, p + name)
 
     def mat(name):
         return as_format(w[p + name], fmt)
 
     if c.fused_qkv:
         rows = qkv_rows(c.n_heads, c.n_kv_heads, c.head_dim)
-        wqkv, bqkv = as_format(w[p + "wqkv"], fmt)[rows], vec("wqkv.bias")[rows] if c.bias else EMPTY
+        wqkv, bqkv = mat("wqkv")[rows], vec("wqkv.bias")[rows] if c.bias else EMPTY
     else:
         wqkv = np.concatenate([mat("wq"), mat("wk"), mat("wv")])
         bqkv = np.concatenate([vec("wq.bias"), vec("wk.bias"), vec("wv.bias")])
@@ -195,14 +200,11 @@ class Engine(Decoder):
             layers.append(layout(w, l, fmt))
             w.release()  # the layout is a copy: keep one, not the file's pages too
 
-        def vec(name):
-            return np.ascontiguousarray(upcast(w[name], F32)) if name in w.tensors else EMPTY
-
         embed = as_format(w["embed"], fmt)
         lm_head = embed if cfg.tie_word_embeddings else as_format(w["lm_head"], fmt)
         projections = [as_format(w[n], fmt) for n in ("project_in", "project_out")] if cfg.embed_dim else [None, None]
-        engine = Engine(cfg, layers, embed, vec("norm"), lm_head, threads, fmt, vec("norm.bias"),
-                        vec("pos_embed") if cfg.positions == "learned" else None, *projections)
+        engine = Engine(cfg, layers, embed, vector(w, "norm"), lm_head, threads, fmt, vector(w, "norm.bias"),
+                        vector(w, "pos_embed") if cfg.positions == "learned" else None, *projections)
         engine.file_predictors = w.predictors
         return engine
 
