@@ -14,6 +14,7 @@ import click
 from placement.budget import HARDWARE
 from placement.solver import Groups, greedy, repair, solve
 from placement.synthetic import synthetic_counts
+from ref.common.cli import user_errors
 from ref.common.config import shape_config
 from ref.common.errors import UserError
 
@@ -26,6 +27,7 @@ from ref.common.errors import UserError
 @click.option("--time-limit", default=30.0, show_default=True)
 @click.option("--backends", default="cpsat", show_default=True, help="cpsat, scip or both: cpsat,scip")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
+@user_errors
 def main(shapes, shares, hardware, group, time_limit, backends, json_file):
     """Solve time, gap and objective vs greedy for real model shapes."""
     hw = HARDWARE[hardware]
@@ -36,7 +38,7 @@ def main(shapes, shares, hardware, group, time_limit, backends, json_file):
         cfg = shape_config(name)
         L, F, D = cfg.n_layers, cfg.d_ffn, cfg.d_model
         counts = synthetic_counts(L, F, seed=0)
-        neuron_bytes = 3 * D * 2
+        neuron_bytes = cfg.ffn_matrices * D * 2  # fp16 rows of each neuron's bundle
         min_cpu = [hw.min_cpu_neurons(neuron_bytes, D)] * L
         groups = Groups.build(counts, group)
         for share in map(float, shares.split(",")):

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ref.common.config import shape_config
+from ref.common.config import ARCHITECTURES, SHAPES, shape_config
 from ref.common.names import expected_shapes, hf_name
 from ref.common.safetensors import write_safetensors
 from ref.model import Model
@@ -61,7 +61,8 @@ def write_random_fp16(folder: Path, cfg_dict: dict, cfg) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--shape", default="llama-7b", show_default=True)
+@click.option("--shape", type=click.Choice([n for n, raw in SHAPES.items() if ARCHITECTURES[raw["architectures"][0]] == "llama"]),
+              default="llama-7b", show_default=True, help="A LLaMA-family shape (the checkpoint it writes is LLaMA's).")
 @click.option("--tokens", default=512, show_default=True, help="Corpus tokens to profile and sample.")
 @click.option("--samples", default=7000, show_default=True, help="Reservoir capacity (tokens per layer).")
 @click.option("--window", default=256, show_default=True)

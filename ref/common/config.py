@@ -266,6 +266,8 @@ ACTIVATION_FIELDS = {"llama": "hidden_act", "opt": "activation_function", "falco
 
 def shape_config(name: str, layers: int | None = None, hidden_act: str = "relu") -> ModelConfig:
     """The config of a named shape with activation `hidden_act` (optionally cut to `layers` layers)."""
+    if name not in SHAPES:
+        raise UserError(f"unknown shape '{name}' (known: {', '.join(SHAPES)})")
     raw = {**SHAPES[name], "max_position_embeddings": 2048, "torch_dtype": "float32"}
     raw[ACTIVATION_FIELDS[ARCHITECTURES[raw["architectures"][0]]]] = hidden_act
     if layers:
