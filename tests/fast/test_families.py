@@ -61,7 +61,7 @@ def test_predictor_sparse_matches_ref(variant, tmp_path):
 
 
 @pytest.mark.usefixtures("small_launches")
-@pytest.mark.parametrize("name", ["opt-pre-ln", "opt-post-ln", "falcon-gqa"])  # each block of the hybrid engine
+@pytest.mark.parametrize("name", ["opt-post-ln", "falcon-gqa"])  # the split with biases, post-norm and parallel blocks
 def test_hybrid_matches_ref(name):
     """Half of each layer's neurons, attention and predictors on the (simulated) GPU; the output head on the CPU."""
     cfg = ref.ModelConfig.from_hf(FAMILIES / name)
@@ -85,3 +85,15 @@ def test_a_checkpoint_s_own_predictors_run_by_default(tmp_path):
     want = ref.apply_predictors(ref.load_model(d), load_checkpoint(d).predictors).logits([1, 5, 9, 3])
     assert engine.selector.predicts and engine.selector.threshold == 0
     assert_close(engine.logits([1, 5, 9, 3]), want, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("small_launches")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_gpu_matches_golden(name):
+    """Every block on the (simulated) GPU, dense, against transformers' logits; the output head on the CPU."""
+    cfg = ref.ModelConfig.from_hf(FAMILIES / name)
+    ids, want = golden(name)[2]
+    everything = [np.arange(cfg.d_ffn, dtype=np.int32)] * cfg.n_layers
+    hybrid = to_hybrid(Engine.load(FAMILIES / name, threads=2), everything,
+                       dense_on_gpu=[f"attention.{l}" for l in range(cfg.n_layers)])
+    assert_close(hybrid.logits(ids), want, rtol=1e-4)
