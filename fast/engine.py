@@ -323,6 +323,7 @@ class Engine(Decoder):
         return h
 
     def project(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """x @ w.T [T, N] with the kernels for T tokens (the embedding's projections, the output head)."""
         out = np.empty((x.shape[0], w.shape[0]), F32)
         kernels(x.shape[0]).matmul(out, x, w)
         return out
