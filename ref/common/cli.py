@@ -110,8 +110,8 @@ def generate_session(engine, tok, gen: Generation, load_seconds: float, about: s
     click.echo(gen.prompt, nl=False)
     timings = Timings()
     try:
-        out = generate(engine, ids, gen.n_predict, seed=seed, on_token=Streamer(tok), timings=timings, stop_ids=tok.eos_ids,
-                       **gen.sampling())
+        out = generate(engine, ids, gen.n_predict, seed=seed, on_token=Streamer(tok), timings=timings,
+                       stop_ids=tok.eos_ids, **gen.sampling())
     except KeyboardInterrupt:
         print_timings(load_seconds, timings)
         raise

@@ -124,9 +124,6 @@ class Fields:
     def __init__(self, raw: dict, source: str):
         self.raw, self.source = raw, source
 
-    def __contains__(self, key):
-        return key in self.raw
-
     def get(self, key, default):
         value = self.raw.get(key)
         return default if value is None else value
@@ -142,7 +139,8 @@ class Fields:
     def float(self, key, default, zero_ok=False):
         value = self.get(key, default)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not zero_ok):
-            raise UserError(f"{self.source}: field '{key}' must be a {'non-negative' if zero_ok else 'positive'} number, "
+            sign = "non-negative" if zero_ok else "positive"
+            raise UserError(f"{self.source}: field '{key}' must be a {sign} number, "
                             f"got {value!r}")
         return float(value)
 
@@ -161,7 +159,8 @@ class Fields:
     def rope_theta(self):
         """rope_theta, or transformers 5's rope_parameters; scaled RoPE is refused."""
         params = self.raw.get("rope_parameters") or {}
-        scaling = self.raw.get("rope_scaling") or {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}
+        scaling = (self.raw.get("rope_scaling")
+                   or {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")})
         if scaling or params.get("rope_type", "default") != "default":
             raise UserError(f"{self.source}: rope_scaling {self.raw.get('rope_scaling') or params!r} is not supported")
         return float(params.get("rope_theta", self.raw.get("rope_theta", 10000.0)))
@@ -202,7 +201,8 @@ def parse_opt(f: Fields, arch: str) -> dict:
         final_norm=pre and not f.bool("_remove_final_layer_norm", False))
 
 
-# Falcon's RW-era configs (RWForCausalLM, custom code) by transformers' names, as its convert_custom_code_checkpoint does.
+# Falcon's RW-era configs (RWForCausalLM, custom code) by transformers' names, as its convert_custom_code_checkpoint
+# does.
 RW_NAMES = {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_head_kv": "num_kv_heads",
             "n_embed": "hidden_size"}
 

@@ -1,5 +1,5 @@
-"""Thin wrapper over `tokenizers.Tokenizer`: BOS from the model's config where its tokenizer adds one, the EOS ids every config file of the folder
-names (`stop_ids`), never from the template."""
+"""Thin wrapper over `tokenizers.Tokenizer`: BOS from the model's config where its tokenizer adds one, the EOS ids
+every config file of the folder names (`stop_ids`), never from the template."""
 
 import json
 from pathlib import Path
@@ -43,11 +43,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = HFTokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise UserError(f"{file}: not a valid tokenizer file ({str(e).splitlines()[0][:120]})") from None
+    tok_cfg = read_json(model_dir / "tokenizer_config.json")
     if not (model_dir / "config.json").is_file():
-        return Tokenizer(tok, None, stop_ids(model_dir, tok, ()))
+        return Tokenizer(tok, None, stop_ids(model_dir, tok, tok_cfg, ()))
     cfg = ModelConfig.from_hf(model_dir)
-    adds = read_json(model_dir / "tokenizer_config.json").get("add_bos_token", ADDS_BOS[cfg.family])
-    return Tokenizer(tok, cfg.bos_token_id if adds is True else None, stop_ids(model_dir, tok, cfg.eos_token_ids))
+    adds = tok_cfg.get("add_bos_token", ADDS_BOS[cfg.family])
+    bos = cfg.bos_token_id if adds is True else None
+    return Tokenizer(tok, bos, stop_ids(model_dir, tok, tok_cfg, cfg.eos_token_ids))
 
 
 # Family -> whether a prompt starts with BOS where tokenizer_config.json does not say (add_bos_token): as each
@@ -66,13 +68,14 @@ def read_json(file: Path) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def stop_ids(model_dir: Path, tok: HFTokenizer, eos: tuple[int, ...]) -> tuple[int, ...]:
+def stop_ids(model_dir: Path, tok: HFTokenizer, tok_cfg: dict, eos: tuple[int, ...]) -> tuple[int, ...]:
     """Every end-of-sequence id the folder names, config.json's first: generation_config.json's eos_token_id (an id
-    or a list) and tokenizer_config.json's eos_token (TurboSparse's `<|im_end|>`, where config.json says `</s>`)."""
+    or a list) and tokenizer_config.json's (`tok_cfg`) eos_token (TurboSparse's `<|im_end|>`, where config.json says
+    `</s>`)."""
     ids = list(eos)
     more = read_json(model_dir / "generation_config.json").get("eos_token_id")
     ids += [i for i in (more if isinstance(more, list) else [more]) if isinstance(i, int)]
-    token = read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    token = tok_cfg.get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
     if isinstance(token, str) and tok.token_to_id(token) is not None:
         ids.append(tok.token_to_id(token))
