@@ -5,17 +5,10 @@
 `python -m fast.run` starts before numba does (and a Ctrl-C during its imports is caught there).
 """
 
-import importlib
+from ref.common.lazy import lazy_names
 
 _HOMES = {"Engine": "fast.engine", "Selector": "fast.engine", "apply_predictors": "fast.engine",
           "convert": "fast.engine", "HybridEngine": "fast.hybrid", "to_hybrid": "fast.hybrid",
           "load_engine": "fast.load"}
-
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'fast' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
-
-
+__getattr__ = lazy_names("fast", _HOMES)
 __all__ = list(_HOMES)

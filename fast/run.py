@@ -1,21 +1,19 @@
 """`python -m fast.run [MODEL_DIR] -p PROMPT -n N`: generate with the fast engine, llama.cpp-style."""
 
+from ref.common.errors import UserError, ctrl_c_quits_while_starting
+
+ctrl_c_quits_while_starting(__name__)
+
 import json
-import sys
 import time
 from pathlib import Path
 
-try:  # numba and the kernels take a second to import: a Ctrl-C then is an exit, not a traceback
-    import click
+import click
 
-    from fast.load import DEVICES, EMBEDDED, POLICIES, default_predictors, kernels_cached, load_engine
-    from ref.common.cli import Generation, finite, generate_session, generation_options, user_errors
-    from ref.common.errors import UserError
-    from ref.common.formats import FORMATS
-    from ref.common.tokenizer import load_tokenizer
-except KeyboardInterrupt:
-    sys.stderr.write("\ninterrupted\n")
-    sys.exit(130)
+from fast.load import DEVICES, EMBEDDED, POLICIES, default_predictors, kernels_cached, load_engine
+from ref.common.cli import Generation, finite, generate_session, generation_options, user_errors
+from ref.common.formats import FORMATS
+from ref.common.tokenizer import load_tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,6 +8,10 @@ status for bad requests (a 503 with Retry-After when the queue is full); an erro
 `data: {"error": ...}` event.
 """
 
+from ref.common.errors import ctrl_c_quits_while_starting
+
+ctrl_c_quits_while_starting(__name__)
+
 import asyncio
 import json
 import secrets

@@ -2,26 +2,15 @@
 
 `ref.model` and `ref.sparse` define the semantics; `ref.profile`, `ref.predictor` and `ref.evaluate` are the offline
 algorithms built on them; `ref.common` is the library every package shares. This module is the facade one floor up:
-`load_model` composes the loader with the predictor transform.
+`load_model` (in `ref.sparse`) composes the loader with the predictor transform. The names load on first use, so
+that `ref.common.errors` imports without numpy (fast.run catches a Ctrl-C during numpy's import with it).
 """
 
-from pathlib import Path
+from ref.common.lazy import lazy_names
 
-import numpy as np
-
-from ref.common.config import ModelConfig
-from ref.common.errors import UserError
-from ref.common.sampling import generate, sample
-from ref.common.tokenizer import Tokenizer, load_tokenizer
-from ref.model import Model
-from ref.sparse import apply_oracle, apply_predictors
-
-
-def load_model(path: str | Path, predictors: str | Path | None = None, dtype=np.float32) -> Model:
-    """`Model.load(path)`, made predictor-gated sparse by `apply_predictors` when a predictors file is given."""
-    model = Model.load(path, dtype)
-    return model if predictors is None else apply_predictors(model, predictors)
-
-
-__all__ = ["ModelConfig", "UserError", "generate", "sample", "Model", "load_model", "Tokenizer", "load_tokenizer",
-           "apply_predictors", "apply_oracle"]
+_HOMES = {"ModelConfig": "ref.common.config", "UserError": "ref.common.errors", "generate": "ref.common.sampling",
+          "sample": "ref.common.sampling", "Model": "ref.model", "load_model": "ref.sparse",
+          "Tokenizer": "ref.common.tokenizer", "load_tokenizer": "ref.common.tokenizer",
+          "apply_predictors": "ref.sparse", "apply_oracle": "ref.sparse"}
+__getattr__ = lazy_names("ref", _HOMES)
+__all__ = list(_HOMES)

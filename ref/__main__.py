@@ -1,5 +1,9 @@
 """`python -m ref [MODEL_DIR] -p PROMPT -n N`: generate with the reference engine (readable, slow)."""
 
+from ref.common.errors import ctrl_c_quits_while_starting
+
+ctrl_c_quits_while_starting(__name__)
+
 import time
 from pathlib import Path
 

@@ -138,3 +138,9 @@ def apply_predictors(model: Model, predictors: str | Path | Predictors, threshol
 
     model.ffn_block = SparseFFN(model, choose)
     return model
+
+
+def load_model(path: str | Path, predictors: str | Path | None = None, dtype=np.float32) -> Model:
+    """`Model.load(path)`, made predictor-gated sparse by `apply_predictors` when a predictors file is given."""
+    model = Model.load(path, dtype)
+    return model if predictors is None else apply_predictors(model, predictors)

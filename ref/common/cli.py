@@ -3,6 +3,7 @@ why it stopped, timing lines), one-line errors."""
 
 import functools
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from ref.common.errors import UserError
+from ref.common.errors import UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c
 from ref.common.gguf_io import is_gguf
 from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate
 
@@ -126,14 +127,16 @@ def user_errors(f):
     """Run a CLI body: a UserError becomes one line on stderr and exit 1; Ctrl-C exits 130. No tracebacks."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
+        if signal.getsignal(signal.SIGINT) is quit_on_ctrl_c:  # the body may hold files: a KeyboardInterrupt again
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            return f(*args, **kwargs)
+            with lost_interrupts_raised():
+                return f(*args, **kwargs)
         except UserError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
+            exit_interrupted()
     return wrapper
 
 
