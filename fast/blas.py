@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from fast import cpu
+from fast.quant import base_format, plain
 from ref.quant import format_of_blocks
 
 F32 = np.float32
@@ -62,6 +63,7 @@ def dense(w: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
     """Rows of w (all, or `ids`) as float32 values [n, ..., K]; a float32 matrix's rows as they are."""
     if w.dtype == F32:
         return w if ids is None else w[ids]
+    w = plain(w)
     w3 = w.reshape(w.shape[0], -1, w.shape[-1])  # [N, P, K / block]
     ids = np.arange(w.shape[0], dtype=np.int32) if ids is None else ids
     out = np.empty((len(ids), w3.shape[1], w.shape[-1] * format_of_blocks(w.dtype).block), F32)  # [n, P, K]
@@ -71,7 +73,7 @@ def dense(w: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
 
 def inputs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [T, K] as a product with w reads it."""
-    if not format_of_blocks(w.dtype).quantized:
+    if not base_format(w.dtype).quantized:
         return x
     out = np.empty_like(x)
     cpu.round_q8_0(out, x)

@@ -27,10 +27,10 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from fast.quant import (BLOCK, axpy, axpy4, axpy4t, dot, dot4, dot4t, prefetch_span, q8_0_round, q8_0_scale,
-                        quantize_input)
+from fast.quant import (BLOCK, ROWS, axpy, axpy4, axpy4t, block_dot8, block_dot8x4, dot, dot4, dot4t, interleaved, n_rows,
+                        prefetch_span, q8_0_round, q8_0_scale, quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -138,7 +138,8 @@ def add_bias(out, b):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def matmul(out, x, w):
-    """out = x @ w.T, each weight row read once for all T tokens.  out: [T, N], x: [T, K], w: [N, K].
+    """out = x @ w.T, each weight row read once for all T tokens.  out: [T, N], x: [T, K], w: [N, K] (or a block
+    format's [N, K / 32], or its interleaved groups [N / 8, K / 32]: fast.quant.INTERLEAVED).
 
     Each chunk of rows streams as four quarters (STREAMS); one row at a time was 21 vs 28 GB/s. A row's sum does
     not depend on the chunks, so neither do the results. Block formats with 4 or more tokens are compute-bound: a
@@ -146,12 +147,39 @@ def matmul(out, x, w):
     of 1.85 (q4_0, 2 threads).
     """
     T, K = x.shape
-    N = w.shape[0]
+    units = w.shape[0]  # rows, or groups of ROWS rows
     fewest, most, size = MATMUL_CHUNKS
-    C = min(most, max(fewest, N * K // size))
+    C = min(most, max(fewest, out.shape[1] * K // size))
     xq, xd, xs = quantize_input(x, w)
     for c in prange(C):
-        lo, hi = c * N // C, (c + 1) * N // C
+        matmul_rows(out, x, w, xq, xd, xs, c * units // C, (c + 1) * units // C)
+
+
+def matmul_rows(out, x, w, xq, xd, xs, lo, hi):
+    """out[:, rows] = x @ w[rows].T for w's rows lo..hi, or its interleaved groups lo..hi (matmul's chunk)."""
+
+
+@overload(matmul_rows)
+def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
+    if interleaved(w):
+        def groups(out, x, w, xq, xd, xs, lo, hi):
+            reach = np.int64(w.shape[1] + 8)  # the next group's first blocks too
+            q = (hi - lo) // 4
+            for g in range(lo, lo + q):
+                for t in range(x.shape[0]):
+                    r = block_dot8x4(w[g], w[g + q], w[g + 2 * q], w[g + 3 * q], xq[t], xd[t], xs[t], reach)
+                    for s in range(4):
+                        for i in range(ROWS):
+                            out[t, (g + s * q) * ROWS + i] = r[s * ROWS + i]
+            for g in range(lo + 4 * q, hi):
+                for t in range(x.shape[0]):
+                    r = block_dot8(w[g], xq[t], xd[t], xs[t], reach)
+                    for i in range(ROWS):
+                        out[t, g * ROWS + i] = r[i]
+        return groups
+
+    def rows(out, x, w, xq, xd, xs, lo, hi):
+        T = x.shape[0]
         if T >= 4 and xd.shape[1] > 0:  # q8_0/q4_0, 4+ tokens: each row unpacked once per four tokens (dot4t)
             for n in range(lo, hi):
                 for t in range(0, T - 3, 4):
@@ -159,7 +187,7 @@ def matmul(out, x, w):
                     out[t, n], out[t + 1, n], out[t + 2, n], out[t + 3, n] = s0, s1, s2, s3
                 for t in range(T - T % 4, T):
                     out[t, n] = dot(w[n], x[t], xq[t], xd[t], xs[t])
-            continue
+            return
         q = (hi - lo) // 4
         for n in range(lo, lo + q):
             for t in range(T):
@@ -168,6 +196,7 @@ def matmul(out, x, w):
         for m in range(lo + 4 * q, hi):
             for t in range(T):
                 out[t, m] = dot(w[m], x[t], xq[t], xd[t], xs[t])
+    return rows
 
 
 @njit(cache=True, nogil=True)
@@ -454,7 +483,7 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_cache,
     0.28 ms per TinyLlama token, sparse tokens 0.5 to 1.4 % faster."""
     T = h.shape[0]
     K, E = k_cache.shape[1], k_cache.shape[2]
-    qkv = np.empty((T, wqkv.shape[0]), np.float32)
+    qkv = np.empty((T, n_rows(wqkv)), np.float32)
     qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
     att = np.empty((T, qkv.shape[1] - 2 * K * E), np.float32)  # [T, H E]
     self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0)

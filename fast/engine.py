@@ -21,6 +21,7 @@ from numba.typed import List
 from threadpoolctl import threadpool_limits
 
 from fast import blas, cpu
+from fast.quant import for_matmul, n_rows, plain
 from ref import sparse
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch, KVCache, advance, check_batch
@@ -66,7 +67,7 @@ class Layer:
 
 def as_format(t, fmt: Format) -> np.ndarray:
     """A stored tensor, or rows of blocks, as rows of fmt's blocks: itself (a view) where it is in fmt already."""
-    b = t if isinstance(t, np.ndarray) and t.dtype.names else blocks(t)
+    b = plain(t) if isinstance(t, np.ndarray) and t.dtype.names else blocks(t)
     return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt))
 
 
@@ -98,7 +99,7 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
     for i, name in enumerate(rows):
         bundle[:, i] = mat(name)
     bundle[:, -1] = as_format(w[p + "wd"].T, fmt)
-    return Layer(vec("attn_norm"), wqkv, mat("wo"), vec("ffn_norm"), bundle, vec("attn_norm.bias"), bqkv,
+    return Layer(vec("attn_norm"), for_matmul(wqkv), for_matmul(mat("wo")), vec("ffn_norm"), bundle, vec("attn_norm.bias"), bqkv,
                  vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"))
 
 
@@ -119,9 +120,9 @@ class Selector(sparse.Selector):
     def __init__(self, d_ffn: int, predictors: Predictors | None = None, threshold: float = 0.0):
         super().__init__(d_ffn, predictors, threshold)
         if self.predicts:
-            self.fc1 = [blocks(a) for a in self.fc1]  # [R, D]
-            self.fc2 = [blocks(b) for b in self.fc2]  # [F, R]
-            self.hidden = np.empty(max(a.shape[0] for a in self.fc1), F32)
+            self.fc1 = [for_matmul(blocks(a)) for a in self.fc1]  # [R, D]
+            self.fc2 = [for_matmul(blocks(b)) for b in self.fc2]  # [F, R]
+            self.hidden = np.empty(max(n_rows(a) for a in self.fc1), F32)
         self.threshold = F32(threshold)
         self.logits, self.active = np.empty(d_ffn, F32), np.empty(d_ffn, np.int32)
 
@@ -201,8 +202,10 @@ class Engine(Decoder):
             w.release()  # the layout is a copy: keep one, not the file's pages too
 
         embed = as_format(w["embed"], fmt)
-        lm_head = embed if cfg.tie_word_embeddings else as_format(w["lm_head"], fmt)
-        projections = [as_format(w[n], fmt) for n in ("project_in", "project_out")] if cfg.embed_dim else [None, None]
+        lm_head = embed if cfg.tie_word_embeddings else for_matmul(as_format(w["lm_head"], fmt))
+        projections = ([for_matmul(as_format(w[n], fmt)) for n in ("project_in", "project_out")] if cfg.embed_dim
+                       else [None, None])
+        w.release()  # interleaved, lm_head is a copy too
         engine = Engine(cfg, layers, embed, vector(w, "norm"), lm_head, threads, fmt, vector(w, "norm.bias"),
                         vector(w, "pos_embed") if cfg.positions == "learned" else None, *projections)
         engine.file_predictors = w.predictors
@@ -216,7 +219,7 @@ class Engine(Decoder):
         sel = self.selector
         if not sel.predicts:
             return sel.pick(l, None)
-        cpu.predictor(sel.logits.reshape(1, -1), sel.hidden[: sel.fc1[l].shape[0]].reshape(1, -1), h.reshape(1, -1),
+        cpu.predictor(sel.logits.reshape(1, -1), sel.hidden[: n_rows(sel.fc1[l])].reshape(1, -1), h.reshape(1, -1),
                       sel.fc1[l], sel.fc2[l])
         return sel.pick(l, sel.logits)
 
@@ -226,7 +229,7 @@ class Engine(Decoder):
         sel, T, F = self.selector, h.shape[0], self.config.d_ffn
         if sel.predicts:
             logits = np.empty((T, F), F32)
-            kernels(T).predictor(logits, np.empty((T, sel.fc1[l].shape[0]), F32), h, sel.fc1[l], sel.fc2[l])
+            kernels(T).predictor(logits, np.empty((T, n_rows(sel.fc1[l])), F32), h, sel.fc1[l], sel.fc2[l])
         picked = sel.pick_rows(l, logits if sel.predicts else None, T)  # [T, F]: token t computes neuron i
         union = np.flatnonzero(picked.any(axis=0)).astype(np.int32)
         return union, (np.ascontiguousarray(picked[:, union]) if len(union) else np.zeros((T, 1), np.uint8))
@@ -324,7 +327,7 @@ class Engine(Decoder):
 
     def project(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x @ w.T [T, N] with the kernels for T tokens (the embedding's projections, the output head)."""
-        out = np.empty((x.shape[0], w.shape[0]), F32)
+        out = np.empty((x.shape[0], n_rows(w)), F32)
         kernels(x.shape[0]).matmul(out, x, w)
         return out
 
@@ -412,10 +415,13 @@ def convert(engine: Engine, fmt: Format) -> Engine:
     """Store the engine's matrices in another format (--type), a layer at a time, so that memory holds one layer in
     both formats at most."""
     for L in engine.layers:
-        L.wqkv, L.wo, L.bundle = as_format(L.wqkv, fmt), as_format(L.wo, fmt), as_format(L.bundle, fmt)
+        L.wqkv, L.wo = for_matmul(as_format(L.wqkv, fmt)), for_matmul(as_format(L.wo, fmt))
+        L.bundle = as_format(L.bundle, fmt)
     tied = engine.lm_head is engine.embed
     engine.embed = as_format(engine.embed, fmt)
-    engine.lm_head = engine.embed if tied else as_format(engine.lm_head, fmt)
+    engine.lm_head = engine.embed if tied else for_matmul(as_format(engine.lm_head, fmt))
+    engine.project_in, engine.project_out = (None if w is None else for_matmul(as_format(w, fmt))
+                                             for w in (engine.project_in, engine.project_out))
     engine.format = fmt
     return engine
 

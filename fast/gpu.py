@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from fast.cpu import activation_py
+from fast.quant import plain
 from ref.quant import format_of_blocks
 
 KINDS = {"f32": 0, "q8_0": 1, "q4_0": 2, "f16": 3, "bf16": 4}  # a Weight's kind, per ref.common.formats name
@@ -65,6 +66,7 @@ def weight(w) -> Weight:
     host Weight (views where the layout allows; a neuron bundle [F, P, B] keeps P as `parts`); a Weight as it is."""
     if isinstance(w, Weight):
         return w
+    w = plain(w)  # the CPU's interleaved rows (fast.quant.INTERLEAVED) in their own order
     fmt = format_of_blocks(w.dtype)
     parts = w.shape[1] if w.ndim == 3 else 1
     w = np.ascontiguousarray(w).reshape(-1, w.shape[-1])

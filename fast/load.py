@@ -9,6 +9,7 @@ from pathlib import Path
 from fast import cpu
 from fast.engine import Decoder, Engine, apply_predictors, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
+from fast.quant import base_format
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
 from ref.common.artifacts import load_placement
@@ -16,7 +17,7 @@ from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
 from ref.common.formats import Format, format_of
 from ref.common.names import expected_shapes
-from ref.quant import format_of_blocks, predictor_format
+from ref.quant import predictor_format
 
 def kernels_cached() -> bool:
     """Whether numba's on-disk cache holds fast.cpu's kernels (its index files beside the module): if not, the
@@ -78,8 +79,9 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
 
 
 def elements(b) -> int:
-    """Elements of rows of blocks (their count times the format's block)."""
-    return b.size * format_of_blocks(b.dtype).block
+    """Elements of rows of blocks (their count times the format's block; an interleaved group's ROWS rows too)."""
+    fmt = base_format(b.dtype)
+    return b.nbytes // fmt.block_bytes * fmt.block
 
 
 def memory_available() -> int:

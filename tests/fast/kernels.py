@@ -7,6 +7,7 @@ One table (SHAPES) serves the CPU kernels and the GPU kernels, which mirror the 
 import numpy as np
 
 from fast.cpu import KINDS
+from fast.quant import interleave
 from ref.model import attention as ref_attention
 from ref.quant import blocks, input_values, quantize, values
 from ref.model import layernorm as ref_layernorm
@@ -62,8 +63,9 @@ def case_add_bias(rng, T, N, bias=True):
     return lambda k: (lambda out: (k.add_bias(out, b), out)[1])(x.copy()), x + (b if bias else 0)
 
 
-def case_matmul(rng, T, N, K, fmt="f32"):
+def case_matmul(rng, T, N, K, fmt="f32", interleaved=False):
     x, (w, wv, read) = randn(rng, T, K), stored(randn(rng, N, K), fmt)
+    w = interleave(w) if interleaved else w  # fast.quant.INTERLEAVED: the CPU engine's q8_0 and q4_0 matrices
     out = np.empty((T, N), F32)
     return lambda k: (k.matmul(out, x, w), out)[1], read(x) @ wv.T
 
@@ -265,6 +267,9 @@ SHAPES = [
         ("sparse_ffn_batch", dict(T=5, F=20, D=64, kind="relu", full=True, gated=False)),
         ("sparse_ffn", dict(F=30, D=64, n_active=11, kind="relu", gated=False)),
         ("attention_block", dict(T=2, S=7, H=4, K=1, E=8, D=64)))],
+    # their rows interleaved in groups of 8: one group, groups four streams at a time and tails, 4+ tokens
+    *[("matmul", {**shape, "fmt": fmt, "interleaved": True}, False) for fmt in ("q8_0", "q4_0") for shape in (
+        dict(T=1, N=8, K=32), dict(T=2, N=64, K=96), dict(T=3, N=520, K=64), dict(T=9, N=40, K=64))],
 ]
 # Every weight format under the CUDA simulator too, on few blocks: one or two rows of whole 32-element blocks.
 SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q8_0", "q4_0") for name, shape in (
@@ -273,7 +278,7 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; batched prefill runs on the CPU so far.
 CPU_ONLY = {"predicted_set", "sparse_ffn_batch"}
-DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY]
+DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
 
 def case_id(name, shape, sim=False):

@@ -79,3 +79,39 @@ def test_block_dot_products_in_every_isa(monkeypatch, isa, fmt):
     want = input_values(x, t).astype(np.float64) @ values(w).astype(np.float64)  # [5]
     np.testing.assert_allclose(one(w, x[:1]), want[0], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(four(w, x), want[[4, 0, 2, 1]], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
+    """The interleaved groups' dot products (vpdpbusd, or its plain-IR form without VNNI): one group, and four at
+    once, against ref's values."""
+    import llvmlite.binding as llvm
+    import numpy as np
+    from numba import njit
+
+    from fast import quant
+    from ref.quant import blocks, input_values, quantize, values
+    feats = llvm.get_host_cpu_features()
+    if isa == "vnni" and not (feats.get("avxvnni") or feats.get("avx512vnni")) or isa == "avx2" and not feats.get("avx2"):
+        pytest.skip(f"this CPU cannot run {isa}")
+    monkeypatch.setattr(quant, "ISA", isa)
+
+    @njit
+    def one(w, x):
+        xq, xd, xs = quant.quantize_input(x, w)
+        return quant.block_dot8(w[1], xq[0], xd[0], xs[0], np.int64(w.shape[1]))
+
+    @njit
+    def four(w, x):
+        xq, xd, xs = quant.quantize_input(x, w)
+        return quant.block_dot8x4(w[3], w[0], w[2], w[1], xq[0], xd[0], xs[0], np.int64(w.shape[1]))
+
+    rng = np.random.default_rng(8)
+    t = quantize(rng.standard_normal((32, 32 * 7)).astype(np.float32), fmt)  # 4 groups of 8 rows, 7 blocks
+    w = quant.interleave(blocks(t))
+    x = rng.standard_normal((1, 32 * 7)).astype(np.float32) * 3
+    want = values(blocks(t)).astype(np.float64) @ input_values(x, t).astype(np.float64)[0]  # [32]
+    np.testing.assert_allclose(one(w, x), want[8:16], rtol=1e-5, atol=1e-4)
+    order = np.concatenate([np.arange(8) + 8 * g for g in (3, 0, 2, 1)])
+    np.testing.assert_allclose(four(w, x), want[order], rtol=1e-5, atol=1e-4)

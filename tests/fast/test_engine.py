@@ -5,6 +5,7 @@ import fast
 import ref
 from fast import Engine, apply_predictors
 from fast.engine import convert
+from fast.quant import INTERLEAVED, plain
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -123,5 +124,6 @@ def test_convert_is_ref_at_that_format(small, fmt):
     """--type: the engine's matrices in another format mean what ref.quant says they mean."""
     ids = np.array([2, 3, 5, 7, 11, 13])
     e = convert(Engine.load(small), FORMATS[fmt])
-    assert e.format.name == fmt and e.layers[1].wqkv.dtype == FORMATS[fmt].dtype
+    assert e.format.name == fmt and plain(e.layers[1].wqkv).dtype == FORMATS[fmt].dtype
+    assert (e.layers[1].wqkv.dtype == INTERLEAVED.get(fmt)) == (fmt in INTERLEAVED)  # rows grouped for matmul
     assert_close(e.logits(ids), quantize_model(ref.load_model(small), fmt).logits(ids), rtol=1e-4)
