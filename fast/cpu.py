@@ -29,8 +29,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from fast.quant import (BLOCK, ROWS, axpy, axpy4, axpy4t, block_dot8, block_dot8x4, dot, dot4, dot4t, interleaved, n_rows,
-                        prefetch_span, q8_0_round, q8_0_scale, quantize_input)
+from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x4, dot, dot2t, dot4, dot4t,
+                        interleaved, n_rows, prefetch_span, q8_0_round, q8_0_scale, quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -164,6 +164,19 @@ def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
     if interleaved(w):
         def groups(out, x, w, xq, xd, xs, lo, hi):
             reach = np.int64(w.shape[1] + 8)  # the next group's first blocks too
+            T = x.shape[0]
+            if T >= 4:  # 4+ tokens: each group block unpacked once per four tokens
+                for g in range(lo, hi):
+                    for t in range(0, T - 3, 4):
+                        r = block_dot8_4t(w[g], xq, xd, xs, reach, t, t + 1, t + 2, t + 3)
+                        for k in range(4):
+                            for i in range(ROWS):
+                                out[t + k, g * ROWS + i] = r[k * ROWS + i]
+                    for t in range(T - T % 4, T):
+                        r = block_dot8(w[g], xq[t], xd[t], xs[t], reach)
+                        for i in range(ROWS):
+                            out[t, g * ROWS + i] = r[i]
+                return
             q = (hi - lo) // 4
             for g in range(lo, lo + q):
                 for t in range(x.shape[0]):
@@ -389,7 +402,14 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
                 u0, u1, u2, u3 = dot4t(b[1], x, xq, xd, xs, t0, t1, t2, t3) if P == 3 else (one, one, one, one)
                 acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
                 acts[k + 2], acts[k + 3] = activation(kind, g2 + bi, u2, thr), activation(kind, g3 + bi, u3, thr)
-            for k in range(n - n % 4, n):
+            k = n - n % 4
+            if n - k >= 2:  # two more tokens: the power law's usual case at a few sequences
+                t0, t1 = tokens[k], tokens[k + 1]
+                g0, g1 = dot2t(b[0], x, xq, xd, xs, t0, t1)
+                u0, u1 = dot2t(b[1], x, xq, xd, xs, t0, t1) if P == 3 else (one, one)
+                acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
+                k += 2
+            if k < n:
                 t = tokens[k]
                 g, u = pre_activations(b, bias, i, x[t], xq[t], xd[t], xs[t])
                 acts[k] = activation(kind, g, u, thr)
@@ -400,7 +420,11 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
             for k in range(0, m - 3, 4):  # the down row read once for four tokens
                 axpy4t(y, tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3], acts[k], acts[k + 1], acts[k + 2],
                        acts[k + 3], b[P - 1])
-            for k in range(m - m % 4, m):
+            k = m - m % 4
+            if m - k >= 2:
+                axpy2t(y, tokens[k], tokens[k + 1], acts[k], acts[k + 1], b[P - 1])
+                k += 2
+            if k < m:
                 axpy(y[tokens[k]], acts[k], b[P - 1])
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 

@@ -5,6 +5,8 @@ written in, resolved per row type when a kernel compiles (numba overloads), so e
   dot(w, x, xq, xd, xs)                -> w . x
   axpy4(y, a0..a3, w0..w3)             y += a0 w0 + ... + a3 w3
   axpy(y, a, w)                        y += a w
+  dot4t / dot2t(w, x, ..., t0, ...)    -> (w . x[t0], ...)          one row against four / two tokens
+  axpy4t / axpy2t(y, t0, ..., a0, ..., w)  y[t0] += a0 w, ...       one row into four / two tokens' outputs
   quantize_input(x, w)                 -> (xq, xd, xs): the token rows as the dot products with w read them
 
 Float formats (f32; f16 and bf16 bits decoded with `load`) read the float32 token x. Block formats (q8_0, q4_0) read
@@ -280,14 +282,10 @@ def block_dot(typingctx, w, x, xd, xs, reach):
     return types.float32(w, x, xd, xs, reach), codegen
 
 
-@intrinsic
-def block_dot4t(typingctx, w, x, xd, xs, t0, t1, t2, t3):
-    """(w . x[t0], ..., w . x[t3]) over a row w [B] of q8_0 or q4_0 blocks and four Q8_0 tokens of x (xq [T, K] int8,
-    xd [T, B] scales, xs [T, B, 8] correction lanes): each block unpacked once for the four tokens."""
-    fmt = BLOCK_FORMATS.get(w.dtype)
-    if fmt is None:
-        return None
+def _dot_t_codegen(fmt, n_tokens):
+    """Codegen of a row of blocks against `n_tokens` Q8_0 tokens of x, each block unpacked once for all of them."""
     bs = fmt.block_bytes
+    accs_t = ir.LiteralStructType([_vec(F32, 8)] * n_tokens)
 
     def codegen(context, builder, sig, args):
         w_, x_, xd_, xs_ = args[:4]
@@ -303,27 +301,89 @@ def block_dot4t(typingctx, w, x, xd, xs, t0, t1, t2, t3):
         def body(b, accs):
             wp = builder.gep(wp0, [builder.mul(b, I64(bs))])
             operand, dw = _int_operand(builder, fmt, wp), _scale(builder, wp)
-            out = []
+            out = accs
             for i, row in enumerate(rows):
                 tb = builder.add(row, b)
                 xv = _read(builder, builder.gep(xp0, [builder.mul(tb, I64(BLOCK))]), _vec(I8, 32))
                 dot = _int_dot_with(builder, operand, xv, builder.load(builder.gep(sp0, [tb]), align=4))
                 d = builder.fmul(dw, builder.load(builder.gep(dp0, [tb])))
-                dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(F32, 8), None), d, I32(0)),
-                                            ir.Constant(_vec(F32, 8), None), _lanes(*[0] * 8))
-                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), dv, flags=("fast",))
-                out.append(builder.fadd(builder.extract_value(accs, i), term, flags=("fast",)))
-            packed = ir.Constant(ir.LiteralStructType([_vec(F32, 8)] * 4), None)
-            for i, a in enumerate(out):
-                packed = builder.insert_value(packed, a, i)
-            return packed
+                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), _splat8(builder, d), flags=("fast",))
+                out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, i), term, flags=("fast",)), i)
+            return out
 
         zero = ir.Constant(_vec(F32, 8), [0.0] * 8)
-        accs = _block_loop(builder, n, ir.Constant(ir.LiteralStructType([_vec(F32, 8)] * 4), [zero] * 4), body)
+        accs = _block_loop(builder, n, ir.Constant(accs_t, [zero] * n_tokens), body)
         sums = [_call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0),
-                      builder.extract_value(accs, i)) for i in range(4)]
+                      builder.extract_value(accs, i)) for i in range(n_tokens)]
         return context.make_tuple(builder, sig.return_type, sums)
-    return types.UniTuple(types.float32, 4)(w, x, xd, xs, t0, t1, t2, t3), codegen
+    return codegen
+
+
+@intrinsic
+def block_dot4t(typingctx, w, x, xd, xs, t0, t1, t2, t3):
+    """(w . x[t0], ..., w . x[t3]) over a row w [B] of q8_0 or q4_0 blocks and four Q8_0 tokens of x (xq [T, K] int8,
+    xd [T, B] scales, xs [T, B, 8] correction lanes): each block unpacked once for the four tokens."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    return types.UniTuple(types.float32, 4)(w, x, xd, xs, t0, t1, t2, t3), _dot_t_codegen(fmt, 4)
+
+
+@intrinsic
+def block_dot2t(typingctx, w, x, xd, xs, t0, t1):
+    """block_dot4t for two tokens."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    return types.UniTuple(types.float32, 2)(w, x, xd, xs, t0, t1), _dot_t_codegen(fmt, 2)
+
+
+def _axpy_t_codegen(fmt, n_tokens):
+    """y[t_k] += a_k dequant(w) for `n_tokens` tokens' rows of y [T, K], each block of w dequantized once."""
+    bs = fmt.block_bytes
+
+    def codegen(context, builder, sig, args):
+        y_, ts, as_, w_ = args[0], args[1:1 + n_tokens], args[1 + n_tokens:1 + 2 * n_tokens], args[-1]
+        n = cgutils.unpack_tuple(builder, context.make_array(sig.args[-1])(context, builder, w_).shape)[0]
+        K = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, y_).shape)[1]
+        wp0 = _data(context, builder, sig.args[-1], w_)
+        yp0 = builder.bitcast(context.make_array(sig.args[0])(context, builder, y_).data, F32.as_pointer())
+        starts = [builder.mul(t, K) for t in ts]  # each token's row of y
+        limit = builder.mul(n, I64(bs))
+
+        def body(b, carried):
+            off = builder.mul(b, I64(bs))
+            _prefetch(builder, wp0, builder.add(off, I64(AHEAD)), limit)
+            p = builder.gep(wp0, [off])
+            q = builder.sitofp(_quants(builder, fmt, p), _vec(F32, 32))
+            d = _scale(builder, p)
+            for start, a in zip(starts, as_):
+                yp = builder.bitcast(builder.gep(yp0, [builder.add(start, builder.mul(b, I64(BLOCK)))]),
+                                     _vec(F32, 32).as_pointer())
+                s = builder.fmul(a, d)
+                sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(F32, 32), None), s, I32(0)),
+                                            ir.Constant(_vec(F32, 32), None), _lanes(*[0] * 32))
+                builder.store(builder.fadd(builder.load(yp, align=4), builder.fmul(q, sv, flags=("fast",)),
+                                           flags=("fast",)), yp, align=4)
+            return carried
+
+        _block_loop(builder, n, I64(0), body)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def block_axpy4t(typingctx, y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+    """y[t0] += a0 dequant(w), ..., y[t3] += a3 dequant(w): y [T, K] float32, w [B] q8_0 or q4_0 blocks."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    return None if fmt is None else (types.void(y, t0, t1, t2, t3, a0, a1, a2, a3, w), _axpy_t_codegen(fmt, 4))
+
+
+@intrinsic
+def block_axpy2t(typingctx, y, t0, t1, a0, a1, w):
+    """block_axpy4t for two tokens."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    return None if fmt is None else (types.void(y, t0, t1, a0, a1, w), _axpy_t_codegen(fmt, 2))
 
 
 def _axpy_codegen(fmt, rows):
@@ -388,52 +448,84 @@ def _splat8(builder, v):
     return builder.shuffle_vector(builder.insert_element(undef, v, I32(0)), undef, _lanes(*[0] * 8))
 
 
-def _dot8_codegen(fmt, streams):
-    """Codegen of block_dot8 for `streams` groups of interleaved rows at once (their token words loaded once)."""
-    gb = INTERLEAVED[fmt.name].itemsize  # bytes of a group block
+def _group_operands(builder, fmt, p):
+    """The quants of the group block at p as vpdpbusd's unsigned operands, each with the index of the token word it
+    multiplies: q4_0's word i of 8 rows gives the low nibbles (token word i) and the high ones (word 4 + i)."""
     words = (fmt.block_bytes - 2) // 4  # 4-byte words of one row's quants in a block
-    accs_t = ir.LiteralStructType([_vec(F32, 8)] * streams)
+    low = _splat(I32, 8, 0x0F0F0F0F)
+    out = []
+    for i in range(words):
+        v = _read(builder, builder.gep(p, [I64(2 * ROWS + 32 * i)]), _vec(I32, 8))  # word i of the 8 rows
+        if fmt.name == "q4_0":
+            out += [(builder.and_(v, low), i), (builder.and_(builder.lshr(v, _splat(I32, 8, 4)), low), 4 + i)]
+        else:
+            out.append((v, i))
+    return out
+
+
+def _token_block(builder, xp, dp, sp, b):
+    """Token block b's 8 words, each broadcast to the 8 lanes, its correction and its scale (xp, dp, sp: the
+    token's quants, scales and correction lanes)."""
+    xw = builder.bitcast(builder.gep(xp, [builder.mul(b, I64(BLOCK))]), I32.as_pointer())
+    words = [_splat8(builder, builder.load(builder.gep(xw, [I64(k)]), align=1)) for k in range(8)]
+    corr = _splat8(builder, builder.load(builder.gep(sp, [builder.mul(b, I64(8))])))
+    return words, corr, _splat8(builder, builder.load(builder.gep(dp, [b])))
+
+
+def _group_term(builder, operands, token, d8):
+    """<8 x float> d_r xd (q_r . x) of a group block's 8 rows and a token block: vpdpbusd in four chains (its
+    latency), the first started from the correction -OFFSET sum(x) (the same for every row)."""
+    words, corr, xd = token
+    chains = [corr] + [ir.Constant(_vec(I32, 8), [0] * 8)] * 3
+    for k, (operand, word) in enumerate(operands):
+        chains[k % 4] = _dpbusd(builder, chains[k % 4], operand, words[word])
+    total = builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))
+    return builder.fmul(builder.sitofp(total, _vec(F32, 8)), builder.fmul(d8, xd), flags=("fast",))
+
+
+def _dot8_codegen(fmt, streams, n_tokens):
+    """Codegen of `streams` groups of interleaved rows against `n_tokens` Q8_0 tokens: one token (x [K], xd [B],
+    xs [B, 8]) or tokens t_k of x [T, K] (xd [T, B], xs [T, B, 8]); each group block unpacked once for all tokens,
+    each token block loaded once for all groups. Sums group by group, token by token."""
+    gb = INTERLEAVED[fmt.name].itemsize  # bytes of a group block
+    accs_t = ir.LiteralStructType([_vec(F32, 8)] * (streams * max(n_tokens, 1)))
 
     def codegen(context, builder, sig, args):
-        ws, (x_, xd_, xs_, reach_) = args[:streams], args[streams:]
+        ws, (x_, xd_, xs_, reach_), ts = args[:streams], args[streams:streams + 4], args[streams + 4:]
         n = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, ws[0]).shape)[0]
         wp0s = [_data(context, builder, t, w_) for t, w_ in zip(sig.args, ws)]
         xp0 = _data(context, builder, sig.args[streams], x_)
         dp0 = builder.bitcast(_data(context, builder, sig.args[streams + 1], xd_), F32.as_pointer())
         sp0 = builder.bitcast(_data(context, builder, sig.args[streams + 2], xs_), I32.as_pointer())
         limit = builder.mul(reach_, I64(gb))
-        low = _splat(I32, 8, 0x0F0F0F0F)
+        if ts:  # token t's rows: quants at t K, scales at t B, correction lanes at 8 t B
+            K = cgutils.unpack_tuple(builder, context.make_array(sig.args[streams])(context, builder, x_).shape)[1]
+            B = builder.sdiv(K, I64(BLOCK))
+            tokens = [(builder.gep(xp0, [builder.mul(t, K)]), builder.gep(dp0, [builder.mul(t, B)]),
+                       builder.gep(sp0, [builder.mul(t, builder.mul(B, I64(8)))])) for t in ts]
+        else:
+            tokens = [(xp0, dp0, sp0)]
 
         def body(b, accs):
             off = builder.mul(b, I64(gb))
-            xw = builder.bitcast(builder.gep(xp0, [builder.mul(b, I64(BLOCK))]), I32.as_pointer())
-            xwords = [_splat8(builder, builder.load(builder.gep(xw, [I64(k)]), align=1)) for k in range(8)]
-            corr = _splat8(builder, builder.load(builder.gep(sp0, [builder.mul(b, I64(8))])))
-            xd = _splat8(builder, builder.load(builder.gep(dp0, [b])))
+            blocks_ = [_token_block(builder, *tok, b) for tok in tokens]
             out = accs
             for s, wp0 in enumerate(wp0s):
                 for line in range(0, gb, 64):
                     _prefetch(builder, wp0, builder.add(off, I64(AHEAD + line)), limit)
                 p = builder.gep(wp0, [off])
-                chains = [corr] + [ir.Constant(_vec(I32, 8), [0] * 8)] * 3
-                for i in range(words):
-                    v = _read(builder, builder.gep(p, [I64(2 * ROWS + 32 * i)]), _vec(I32, 8))  # word i of 8 rows
-                    c = i % 4
-                    if fmt.name == "q4_0":
-                        chains[c] = _dpbusd(builder, chains[c], builder.and_(v, low), xwords[i])
-                        high = builder.and_(builder.lshr(v, _splat(I32, 8, 4)), low)
-                        chains[c] = _dpbusd(builder, chains[c], high, xwords[4 + i])
-                    else:
-                        chains[c] = _dpbusd(builder, chains[c], v, xwords[i])
-                total = builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))
-                d = builder.fmul(builder.fpext(_read(builder, p, _vec(ir.HalfType(), ROWS)), _vec(F32, 8)), xd)
-                term = builder.fmul(builder.sitofp(total, _vec(F32, 8)), d, flags=("fast",))
-                out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, s), term, flags=("fast",)), s)
+                operands = _group_operands(builder, fmt, p)
+                d8 = builder.fpext(_read(builder, p, _vec(ir.HalfType(), ROWS)), _vec(F32, 8))
+                for k, token in enumerate(blocks_):
+                    i = s * len(tokens) + k
+                    term = _group_term(builder, operands, token, d8)
+                    out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, i), term,
+                                                                 flags=("fast",)), i)
             return out
 
         zero = ir.Constant(_vec(F32, 8), [0.0] * 8)
-        accs = _block_loop(builder, n, ir.Constant(accs_t, [zero] * streams), body)
-        sums = [builder.extract_element(builder.extract_value(accs, s), I32(r)) for s in range(streams)
+        accs = _block_loop(builder, n, ir.Constant(accs_t, [zero] * (streams * len(tokens))), body)
+        sums = [builder.extract_element(builder.extract_value(accs, i), I32(r)) for i in range(streams * len(tokens))
                 for r in range(ROWS)]
         return context.make_tuple(builder, sig.return_type, sums)
     return codegen
@@ -450,7 +542,7 @@ def block_dot8(typingctx, w, x, xd, xs, reach):
     fmt = INTERLEAVED_FORMATS.get(w.dtype)
     if fmt is None:
         return None
-    return types.UniTuple(types.float32, ROWS)(w, x, xd, xs, reach), _dot8_codegen(fmt, 1)
+    return types.UniTuple(types.float32, ROWS)(w, x, xd, xs, reach), _dot8_codegen(fmt, 1, 0)
 
 
 @intrinsic
@@ -459,7 +551,18 @@ def block_dot8x4(typingctx, w0, w1, w2, w3, x, xd, xs, reach):
     fmt = INTERLEAVED_FORMATS.get(w0.dtype)
     if fmt is None:
         return None
-    return types.UniTuple(types.float32, 4 * ROWS)(w0, w1, w2, w3, x, xd, xs, reach), _dot8_codegen(fmt, 4)
+    return types.UniTuple(types.float32, 4 * ROWS)(w0, w1, w2, w3, x, xd, xs, reach), _dot8_codegen(fmt, 4, 0)
+
+
+@intrinsic
+def block_dot8_4t(typingctx, w, x, xd, xs, reach, t0, t1, t2, t3):
+    """block_dot8 of one group against four tokens t0..t3 of x (xq [T, K], xd [T, B], xs [T, B, 8]): each group
+    block unpacked once for the four. 32 sums, token by token."""
+    fmt = INTERLEAVED_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    return (types.UniTuple(types.float32, 4 * ROWS)(w, x, xd, xs, reach, t0, t1, t2, t3),
+            _dot8_codegen(fmt, 1, 4))
 
 
 # ---------------------------------------------------------------------------------------------------- the row operations
@@ -567,6 +670,24 @@ def _dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
                                                                 np.int64(t2), np.int64(t3))
 
 
+def dot2t(w, x, xq, xd, xs, t0, t1):
+    """(w . x[t0], w . x[t1]): one row against two tokens of x [T, K], the row read once."""
+
+
+@overload(dot2t)
+def _dot2t(w, x, xq, xd, xs, t0, t1):
+    if is_float(w):
+        def floats(w, x, xq, xd, xs, t0, t1):
+            s0 = s1 = np.float32(0.0)
+            for k in range(x.shape[1]):
+                wk = load(w, k)
+                s0 += wk * x[t0, k]
+                s1 += wk * x[t1, k]
+            return s0, s1
+        return floats
+    return lambda w, x, xq, xd, xs, t0, t1: block_dot2t(w, xq, xd, xs, np.int64(t0), np.int64(t1))
+
+
 def axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
     """y[t0] += a0 w, ..., y[t3] += a3 w: one row into four tokens' outputs, the row read once."""
 
@@ -583,12 +704,24 @@ def _axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
                 y[t3, d] += a3 * wd
         return floats
 
-    def blocks(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
-        block_axpy(y[t0], a0, w)
-        block_axpy(y[t1], a1, w)
-        block_axpy(y[t2], a2, w)
-        block_axpy(y[t3], a3, w)
-    return blocks
+    return lambda y, t0, t1, t2, t3, a0, a1, a2, a3, w: block_axpy4t(y, np.int64(t0), np.int64(t1), np.int64(t2),
+                                                                    np.int64(t3), a0, a1, a2, a3, w)
+
+
+def axpy2t(y, t0, t1, a0, a1, w):
+    """y[t0] += a0 w, y[t1] += a1 w: one row into two tokens' outputs, the row read once."""
+
+
+@overload(axpy2t)
+def _axpy2t(y, t0, t1, a0, a1, w):
+    if is_float(w):
+        def floats(y, t0, t1, a0, a1, w):
+            for d in range(y.shape[1]):
+                wd = load(w, d)
+                y[t0, d] += a0 * wd
+                y[t1, d] += a1 * wd
+        return floats
+    return lambda y, t0, t1, a0, a1, w: block_axpy2t(y, np.int64(t0), np.int64(t1), a0, a1, w)
 
 
 def axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):

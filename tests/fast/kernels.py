@@ -265,6 +265,7 @@ SHAPES = [
         ("ffn_block", dict(F=50, D=64, n_active=13, kind="fatrelu")),
         ("sparse_ffn_batch", dict(T=4, F=20, D=64, kind="relu", empty=True, full=True)),
         ("sparse_ffn_batch", dict(T=5, F=20, D=64, kind="relu", full=True, gated=False)),
+        ("sparse_ffn_batch", dict(T=7, F=30, D=64, kind="relu")),  # neurons of 4 + 2 + 1 tokens (dot2t, axpy2t)
         ("sparse_ffn", dict(F=30, D=64, n_active=11, kind="relu", gated=False)),
         ("attention_block", dict(T=2, S=7, H=4, K=1, E=8, D=64)))],
     # their rows interleaved in groups of 8: one group, groups four streams at a time and tails, 4+ tokens

@@ -84,8 +84,8 @@ def test_block_dot_products_in_every_isa(monkeypatch, isa, fmt):
 @pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
-    """The interleaved groups' dot products (vpdpbusd, or its plain-IR form without VNNI): one group, and four at
-    once, against ref's values."""
+    """The interleaved groups' dot products (vpdpbusd, or its plain-IR form without VNNI): one group, four groups at
+    once, and one group against four tokens, against ref's values."""
     import llvmlite.binding as llvm
     import numpy as np
     from numba import njit
@@ -107,11 +107,18 @@ def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
         xq, xd, xs = quant.quantize_input(x, w)
         return quant.block_dot8x4(w[3], w[0], w[2], w[1], xq[0], xd[0], xs[0], np.int64(w.shape[1]))
 
+    @njit
+    def tokens(w, x):
+        xq, xd, xs = quant.quantize_input(x, w)
+        return quant.block_dot8_4t(w[2], xq, xd, xs, np.int64(w.shape[1]), np.int64(4), np.int64(0), np.int64(2),
+                                   np.int64(1))
+
     rng = np.random.default_rng(8)
     t = quantize(rng.standard_normal((32, 32 * 7)).astype(np.float32), fmt)  # 4 groups of 8 rows, 7 blocks
     w = quant.interleave(blocks(t))
-    x = rng.standard_normal((1, 32 * 7)).astype(np.float32) * 3
-    want = values(blocks(t)).astype(np.float64) @ input_values(x, t).astype(np.float64)[0]  # [32]
-    np.testing.assert_allclose(one(w, x), want[8:16], rtol=1e-5, atol=1e-4)
+    x = rng.standard_normal((5, 32 * 7)).astype(np.float32) * 3
+    want = values(blocks(t)).astype(np.float64) @ input_values(x, t).astype(np.float64).T  # [32, 5]
+    np.testing.assert_allclose(one(w, x[:1]), want[8:16, 0], rtol=1e-5, atol=1e-4)
     order = np.concatenate([np.arange(8) + 8 * g for g in (3, 0, 2, 1)])
-    np.testing.assert_allclose(four(w, x), want[order], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(four(w, x[:1]), want[order, 0], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(tokens(w, x), want[16:24][:, [4, 0, 2, 1]].T.ravel(), rtol=1e-5, atol=1e-4)
