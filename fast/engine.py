@@ -99,8 +99,8 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
     for i, name in enumerate(rows):
         bundle[:, i] = mat(name)
     bundle[:, -1] = as_format(w[p + "wd"].T, fmt)
-    return Layer(vec("attn_norm"), for_matmul(wqkv), for_matmul(mat("wo")), vec("ffn_norm"), bundle, vec("attn_norm.bias"), bqkv,
-                 vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"))
+    return Layer(vec("attn_norm"), for_matmul(wqkv), for_matmul(mat("wo")), vec("ffn_norm"), bundle,
+                 vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"))
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -766,16 +766,21 @@ def _prefetch_span(bundle):
     return lambda bundle: bundle.shape[-1] * bundle.itemsize
 
 
-# ---------------------------------------------------------------------------------------------------- interleaved matrices
+# -------------------------------------------------------------------------------------------------- interleaved matrices
 
 def interleaved(w) -> bool:
     """Whether the numba array type w holds groups of interleaved rows (INTERLEAVED)."""
     return w.dtype in INTERLEAVED_FORMATS
 
 
+def group_format(dtype: np.dtype):
+    """The format of an interleaved group's rows (INTERLEAVED) if `dtype` is one's, else None."""
+    return next((FORMATS[n] for n, dt in INTERLEAVED.items() if dt == dtype), None)
+
+
 def n_rows(w) -> int:
     """Rows of a matrix (an interleaved one's groups times ROWS), in Python and in kernels."""
-    return w.shape[0] * (ROWS if any(w.dtype == dt for dt in INTERLEAVED.values()) else 1)
+    return w.shape[0] * (ROWS if group_format(w.dtype) else 1)
 
 
 @overload(n_rows)
@@ -786,26 +791,28 @@ def _n_rows(w):
 
 def interleave(w: np.ndarray) -> np.ndarray:
     """A matrix [N, B] of q8_0 or q4_0 blocks as groups of ROWS rows [N / ROWS, B] (INTERLEAVED); N % ROWS == 0."""
-    name = next(n for n in INTERLEAVED if FORMATS[n].dtype == w.dtype)
+    name = format_of_blocks(w.dtype).name
     (N, B), words = w.shape, (FORMATS[name].block_bytes - 2) // 4
     g = w.reshape(N // ROWS, ROWS, B)
     out = np.empty((N // ROWS, B), INTERLEAVED[name])
     out["d"] = g["d"].transpose(0, 2, 1)
     qs = g["qs"].view(np.uint8).reshape(N // ROWS, ROWS, B, words, 4)  # [G, r, B, word, byte]
-    out["qs"] = qs.transpose(0, 2, 3, 1, 4).reshape(N // ROWS, B, ROWS * 4 * words) ^ np.uint8(0x80 if name == "q8_0" else 0)
+    out["qs"] = (qs.transpose(0, 2, 3, 1, 4).reshape(N // ROWS, B, ROWS * 4 * words)
+                 ^ np.uint8(0x80 if name == "q8_0" else 0))
     return out
 
 
 def base_format(dtype: np.dtype):
     """The weight format of a matrix of `dtype`: its blocks', or an interleaved group's rows' (ROWS blocks each)."""
-    return next((FORMATS[n] for n, dt in INTERLEAVED.items() if dt == dtype), None) or format_of_blocks(dtype)
+    return group_format(dtype) or format_of_blocks(dtype)
 
 
 def plain(w: np.ndarray) -> np.ndarray:
     """A matrix as rows of blocks [N, B]: an interleaved one's rows back in their own order, others as they are."""
-    name = next((n for n, dt in INTERLEAVED.items() if dt == w.dtype), None)
-    if name is None:
+    fmt = group_format(w.dtype)
+    if fmt is None:
         return w
+    name = fmt.name
     (G, B), words = w.shape, (FORMATS[name].block_bytes - 2) // 4
     out = np.empty((G, ROWS, B), FORMATS[name].dtype)
     out["d"] = w["d"].transpose(0, 2, 1)
