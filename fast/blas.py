@@ -82,6 +82,9 @@ def inputs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def matmul(out, x, w):
     """Same contract as fast.cpu.matmul: out = x @ w.T.  out: [T, N], x: [T, K], w: [N, K] rows of blocks."""
+    if base_format(w.dtype).quantized:
+        cpu.matmul(out, x, w)
+        return
     gemm(out, inputs(x, w), dense(w).T)
 
 
@@ -164,3 +167,4 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
         u = np.ones_like(g)
     cpu.masked_activation(g, g, u, mask, kind, thr)
     gemm(out, g, b[:, P - 1, :])
+
