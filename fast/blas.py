@@ -27,6 +27,11 @@ from ref.quant import format_of_blocks
 
 F32 = np.float32
 MIN_TOKENS = 32  # tokens from which a step's products run here (measured crossover: between 8 and 64)
+# Tokens from which a float matrix's product is a GEMM here rather than fast.cpu.matmul's 4 x 4 tiles: on 2 cores,
+# f32 [T, 2048] x [2048, 5632] at 32 / 144 / 512 tokens ran at 152 / 124 / 91 GFLOPS in fast.cpu, 73 / 174 / 245 in
+# sgemm; f16, decoded first, 27 / 115 / 206. q8_0 and q4_0 products stay in fast.cpu at every size: its int8 products
+# beat decoding to float32 (a q8_0 [512, 2048] x [2048, 5632]: 225 against 106 GFLOPS).
+GEMM_TOKENS = 128
 # A float32 chunk's FFN reads the whole bundle in place (no gathered copy of the union), its outside neurons masked,
 # when the outside's extra products cost less than the copy: (F - U) 6 D T flops at ~300 GFLOPS against U 24 D bytes
 # copied at ~20 GB/s, i.e. (F - U) T < 60 U.
@@ -81,8 +86,9 @@ def inputs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def matmul(out, x, w):
-    """Same contract as fast.cpu.matmul: out = x @ w.T.  out: [T, N], x: [T, K], w: [N, K] rows of blocks."""
-    if base_format(w.dtype).quantized:
+    """Same contract as fast.cpu.matmul: out = x @ w.T.  out: [T, N], x: [T, K], w: [N, K] rows of blocks; run by
+    fast.cpu.matmul itself for q8_0 and q4_0 and below GEMM_TOKENS tokens."""
+    if base_format(w.dtype).quantized or x.shape[0] < GEMM_TOKENS:
         cpu.matmul(out, x, w)
         return
     gemm(out, inputs(x, w), dense(w).T)
