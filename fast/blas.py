@@ -3,10 +3,12 @@
 Where a step has enough tokens, a product is compute-bound and a BLAS GEMM wins: on 2 cores here OpenBLAS's sgemm
 ran x [64, 2048] @ W.T [2048, 5632] at 199 GFLOPS and [512, ...] at 318, fast.cpu.matmul (row dot products, bound
 by its loads) at 66 and 90; at 8 tokens fast.cpu won (85 vs 50 GFLOPS). So the engine runs a step of at least
-`MIN_TOKENS` tokens with these kernels, fewer with fast.cpu's. Weights in another format than float32 are decoded to
-float32 first (`fast.cpu.gather_values`: only the rows used, a neuron bundle's union rows), and a q8_0 or q4_0
-product reads its input rounded to Q8_0 as ref defines (`fast.cpu.round_q8_0`); sums then run in float32 in BLAS's
-order.
+`MIN_TOKENS` tokens with these kernels, fewer with fast.cpu's. Since then fast.cpu gained 4 x 4 tiles for float
+products and int8 kernels for q8_0/q4_0, so `matmul` hands a float product of fewer than GEMM_TOKENS tokens, and
+every q8_0/q4_0 one, back to fast.cpu (and the engine keeps a sparse chunk's FFN there, engine.GEMM_SHARE). Weights
+in another format than float32 are decoded to float32 first (`fast.cpu.gather_values`: only the rows used, a neuron
+bundle's union rows), and a q8_0 or q4_0 product reads its input rounded to Q8_0 as ref defines
+(`fast.cpu.round_q8_0`); sums then run in float32 in BLAS's order.
 
 Threads: BLAS runs single-threaded, and each product is split into -t parts (rows of its tokens, or kv heads) run on
 a pool of Python threads (numpy releases the GIL). OpenBLAS's own workers spin after each call and took the cores
@@ -22,7 +24,7 @@ import numba
 import numpy as np
 
 from fast import cpu
-from fast.quant import base_format, plain
+from fast.quant import base_format
 from ref.quant import format_of_blocks
 
 F32 = np.float32
@@ -68,7 +70,6 @@ def dense(w: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
     """Rows of w (all, or `ids`) as float32 values [n, ..., K]; a float32 matrix's rows as they are."""
     if w.dtype == F32:
         return w if ids is None else w[ids]
-    w = plain(w)
     w3 = w.reshape(w.shape[0], -1, w.shape[-1])  # [N, P, K / block]
     ids = np.arange(w.shape[0], dtype=np.int32) if ids is None else ids
     out = np.empty((len(ids), w3.shape[1], w.shape[-1] * format_of_blocks(w.dtype).block), F32)  # [n, P, K]
@@ -173,4 +174,3 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
         u = np.ones_like(g)
     cpu.masked_activation(g, g, u, mask, kind, thr)
     gemm(out, g, b[:, P - 1, :])
-

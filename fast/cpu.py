@@ -30,7 +30,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x4, dot, dot2t,
-                        dot4, dot4t, interleaved, is_float, load, n_rows, prefetch_span, q8_0_round, q8_0_scale, quantize_input)
+                        dot4, dot4t, interleaved, is_float, load, n_rows, prefetch_span, q8_0_round, q8_0_scale,
+                        quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's

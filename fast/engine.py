@@ -36,8 +36,8 @@ from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles
 from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, values
 
 F32 = np.float32
-# Tokens per batched FFN call. Chunks of blas.MIN_TOKENS or more run as GEMMs, which gain with the chunk more than the
-# union of the chunk's sets costs: TinyLlama pp512 at 90% sparsity, chunks of 128 / 256 / 512: 69 / 81 / 87 tok/s
+# Tokens per batched FFN call. As GEMMs (chunks of blas.MIN_TOKENS or more, before GEMM_SHARE), a chunk gained more
+# than the union of its sets cost: TinyLlama pp512 at 90% sparsity, chunks of 128 / 256 / 512: 69 / 81 / 87 tok/s
 # (f32), 58 / 74 / 82 (q4_0).
 FFN_CHUNK = 512
 # A chunk's FFN runs as GEMMs (kernels(T)) only where its tokens compute at least this share of the union's
@@ -312,7 +312,7 @@ class Engine(Decoder):
             union, mask = self.active_sets(l, h[t0:t0 + n])
             k = cpu if np.count_nonzero(mask) < GEMM_SHARE * mask.size else kernels(n)
             k.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n],
-                                        L.bundle, L.bu, union, len(union), mask, self.kind, self.thr)
+                               L.bundle, L.bu, union, len(union), mask, self.kind, self.thr)
         cpu.add_bias(y, L.bd)
         return y
 
