@@ -190,6 +190,14 @@ def row_streams(out, x, w, xq, xd, xs, lo, hi):
             out[t, m] = dot(w[m], x[t], xq[t], xd[t], xs[t])
 
 
+@njit(inline="always")
+def group_dot(out, w, g, xq, xd, xs, t, reach):
+    """out[t, the 8 rows of group g] = interleaved group g of w against token t (block_dot8)."""
+    r = block_dot8(w[g], xq[t], xd[t], xs[t], reach)
+    for i in range(ROWS):
+        out[t, g * ROWS + i] = r[i]
+
+
 def matmul_rows(out, x, w, xq, xd, xs, lo, hi):
     """out[:, rows] = x @ w[rows].T for w's rows lo..hi, or its interleaved groups lo..hi (matmul's chunk)."""
 
@@ -208,9 +216,7 @@ def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
                             for i in range(ROWS):
                                 out[t + k, g * ROWS + i] = r[k * ROWS + i]
                     for t in range(T - T % 4, T):
-                        r = block_dot8(w[g], xq[t], xd[t], xs[t], reach)
-                        for i in range(ROWS):
-                            out[t, g * ROWS + i] = r[i]
+                        group_dot(out, w, g, xq, xd, xs, t, reach)
                 return
             q = (hi - lo) // 4
             for g in range(lo, lo + q):
@@ -221,9 +227,7 @@ def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
                             out[t, (g + s * q) * ROWS + i] = r[s * ROWS + i]
             for g in range(lo + 4 * q, hi):
                 for t in range(x.shape[0]):
-                    r = block_dot8(w[g], xq[t], xd[t], xs[t], reach)
-                    for i in range(ROWS):
-                        out[t, g * ROWS + i] = r[i]
+                    group_dot(out, w, g, xq, xd, xs, t, reach)
         return groups
 
     if is_float(w):

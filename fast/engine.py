@@ -76,6 +76,11 @@ def as_format(t, fmt: Format) -> np.ndarray:
     return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt))
 
 
+def as_matmul(t, fmt: Format) -> np.ndarray:
+    """A matrix in fmt, laid out for fast.cpu.matmul (for_matmul: q8_0/q4_0 rows interleaved)."""
+    return for_matmul(as_format(t, fmt))
+
+
 def vector(w: Weights, name: str) -> np.ndarray:
     """A norm's or bias's float32 values; EMPTY where the checkpoint has none."""
     return np.ascontiguousarray(upcast(w[name], F32)) if name in w.tensors else EMPTY
@@ -104,7 +109,7 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
     for i, name in enumerate(rows):
         bundle[:, i] = mat(name)
     bundle[:, -1] = as_format(w[p + "wd"].T, fmt)
-    return Layer(vec("attn_norm"), for_matmul(wqkv), for_matmul(mat("wo")), vec("ffn_norm"), bundle,
+    return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt), vec("ffn_norm"), bundle,
                  vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"))
 
 
@@ -207,9 +212,8 @@ class Engine(Decoder):
             w.release()  # the layout is a copy: keep one, not the file's pages too
 
         embed = as_format(w["embed"], fmt)
-        lm_head = embed if cfg.tie_word_embeddings else for_matmul(as_format(w["lm_head"], fmt))
-        projections = ([for_matmul(as_format(w[n], fmt)) for n in ("project_in", "project_out")] if cfg.embed_dim
-                       else [None, None])
+        lm_head = embed if cfg.tie_word_embeddings else as_matmul(w["lm_head"], fmt)
+        projections = [as_matmul(w[n], fmt) for n in ("project_in", "project_out")] if cfg.embed_dim else [None, None]
         w.release()  # interleaved, lm_head is a copy too
         engine = Engine(cfg, layers, embed, vector(w, "norm"), lm_head, threads, fmt, vector(w, "norm.bias"),
                         vector(w, "pos_embed") if cfg.positions == "learned" else None, *projections)
@@ -425,12 +429,12 @@ def convert(engine: Engine, fmt: Format) -> Engine:
     """Store the engine's matrices in another format (--type), a layer at a time, so that memory holds one layer in
     both formats at most."""
     for L in engine.layers:
-        L.wqkv, L.wo = for_matmul(as_format(L.wqkv, fmt)), for_matmul(as_format(L.wo, fmt))
+        L.wqkv, L.wo = as_matmul(L.wqkv, fmt), as_matmul(L.wo, fmt)
         L.bundle = as_format(L.bundle, fmt)
     tied = engine.lm_head is engine.embed
     engine.embed = as_format(engine.embed, fmt)
-    engine.lm_head = engine.embed if tied else for_matmul(as_format(engine.lm_head, fmt))
-    engine.project_in, engine.project_out = (None if w is None else for_matmul(as_format(w, fmt))
+    engine.lm_head = engine.embed if tied else as_matmul(engine.lm_head, fmt)
+    engine.project_in, engine.project_out = (None if w is None else as_matmul(w, fmt)
                                              for w in (engine.project_in, engine.project_out))
     engine.format = fmt
     return engine
