@@ -120,3 +120,22 @@ def turbosparse(folder, drop_layer=None):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     return folder
+
+
+def write_gguf(path, arch="llama", tensors=(), magic=b"GGUF", **kv):
+    """A GGUF file of `tensors` (name, data, raw dtype) and metadata `kv` (GGUFWriter.add_KEY(value)); another
+    magic written over GGUF's when asked."""
+    import gguf
+    w = gguf.GGUFWriter(path, arch)
+    for k, v in kv.items():
+        getattr(w, f"add_{k}")(v)
+    for name, data, raw in tensors:
+        w.add_tensor(name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if magic != b"GGUF":
+        with open(path, "r+b") as f:
+            f.write(magic)
+    return path

@@ -19,7 +19,7 @@ from ref.common.formats import FORMATS
 from ref.common.gguf_io import read_gguf, rope_rows
 from ref.common.tokenizer import load_tokenizer
 from ref.quant import quantize_predictors, values
-from tests.helpers import ROOT, SHIPPED, assert_close
+from tests.helpers import ROOT, SHIPPED, assert_close, write_gguf
 
 TYPES = ["f16", "q8_0", "q4_0"]
 IDS = np.array([1, 57, 300, 12, 901, 4000, 7, 7, 2])
@@ -151,22 +151,6 @@ def test_run_a_powerinfer_file_sparse_without_flags(files):
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
-
-def write_gguf(path, arch="llama", tensors=(), magic=b"GGUF", **kv):
-    w = gguf.GGUFWriter(path, arch)
-    for k, v in kv.items():
-        getattr(w, f"add_{k}")(v)
-    for name, data, raw in tensors:
-        w.add_tensor(name, data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    if magic != b"GGUF":
-        with open(path, "r+b") as f:
-            f.write(magic)
-    return path
-
 
 def test_unknown_architecture(tmp_path):
     with pytest.raises(UserError, match="architecture 'gpt2' is not supported"):

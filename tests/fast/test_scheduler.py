@@ -1,0 +1,95 @@
+"""The server's per-token pieces against their plain definitions: fast.sampling's batched sampler against
+ref.common.sampling.sample, and TextStream's incremental text against decoding every id."""
+
+import numpy as np
+import pytest
+
+from fast.sampling import sample
+from fast.scheduler import TextStream
+from ref.common.sampling import sample as ref_sample
+from ref.common.tokenizer import load_tokenizer
+from tests.helpers import FAMILIES, SHIPPED, write_gguf
+
+
+class Draw:
+    """An rng whose one draw is given: ref's sample and fast's then see the same u."""
+
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+@pytest.mark.parametrize("V, ties", [(1, False), (7, False), (40, True), (41, False), (300, True), (4096, False)])
+def test_sampler_matches_ref(V, ties):
+    rng = np.random.default_rng(V)
+    B = 64
+    z = rng.standard_normal((B, V)) * rng.uniform(0.1, 5, (B, 1))  # [B, V]
+    if ties:
+        z = np.round(z)
+    temperature = rng.choice([0.0, 0.3, 0.8, 1.5], B)
+    top_k = rng.choice([0, 1, 5, 40, V, V + 3], B)
+    top_p = rng.choice([0.3, 0.9, 0.95, 1.0], B)
+    min_p = rng.choice([0.0, 0.05, 0.3, 1.0], B)
+    u = rng.random(B)
+    out = np.full(B, -1, np.int64)
+    sample(out, z, u, temperature, top_k, top_p, min_p)
+    expected = [ref_sample(z[b], [], Draw(u[b]), temperature[b], top_k[b], top_p[b], min_p[b]) for b in range(B)]
+    assert out.tolist() == expected
+
+
+def test_sampler_of_no_rows():
+    out = np.empty(0, np.int64)
+    sample(out, np.zeros((0, 5)), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.ones(0), np.zeros(0))
+
+
+def spm_model(folder) -> str:
+    """A GGUF with only a SentencePiece tokenizer (llama.cpp's 'llama' kind): its decoder strips one leading space,
+    '▁' alone decodes to nothing at the start of a text, and é comes in two byte tokens."""
+    pieces = ["<unk>", "<s>", "</s>", "<0xC3>", "<0xA9>", "\u2581", "\u2581\u2581", "a", "\u2581a", "\u2581cat", "x"]
+    types = [2, 3, 3, 6, 6] + [1] * (len(pieces) - 5)  # UNKNOWN, CONTROL, BYTE, NORMAL
+    return write_gguf(folder / "spm.gguf", tokenizer_model="llama", token_list=pieces, token_scores=[0.0] * len(pieces),
+                      token_types=types, bos_token_id=1, eos_token_id=2, unk_token_id=0)
+
+
+@pytest.mark.parametrize("model", ["byte-level", "opt", "falcon", "sentencepiece"])
+def test_text_stream_is_the_decoded_ids(model, tmp_path):
+    """Random ids, with special tokens, lone spaces and multi-byte characters over-represented: after each token
+    whose text ends in whole characters, the stream's text is decode(all ids). SentencePiece's byte pieces come as
+    whole UTF-8 characters: it decodes a run of them that is not UTF-8 as one U+FFFD per byte, text already shown
+    included, which no stream can follow."""
+    tok = load_tokenizer({"byte-level": SHIPPED, "opt": FAMILIES / "opt-pre-ln", "falcon": FAMILIES / "falcon-gqa",
+                          "sentencepiece": None}[model] or spm_model(tmp_path))
+    vocab = tok.tok.get_vocab()
+    pieces = [[i] for t, i in vocab.items() if not t.startswith("<0x")]
+    odd = [[i] for t, i in vocab.items() if t.startswith("<") and not t.startswith("<0x") or t in ("▁", "Ġ", " ")]
+    odd += [[vocab[b] for b in bs] for bs in (["<0xC3>", "<0xA9>"], ["\u00c3", "\u00a9"]) if all(b in vocab for b in bs)]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        stream = TextStream(tok, ())
+        shown = ""
+        for _ in range(60):
+            unit = odd[rng.integers(len(odd))] if rng.random() < 0.4 else pieces[rng.integers(len(pieces))]
+            for t in unit:
+                piece, stopped = stream.add(t)
+                shown += piece
+                assert not stopped
+                whole = tok.decode(stream.ids)
+                if not whole.endswith("\ufffd"):
+                    assert stream.text == whole and shown == whole
+        assert shown + stream.flush() == stream.text
+
+
+def test_text_stream_cuts_a_stop_string_across_tokens():
+    tok = load_tokenizer(SHIPPED)
+    ids = tok.encode("Once upon a time there was a little dog")[1:]
+    stream = TextStream(tok, ("a little",))
+    shown, stopped = "", False
+    for t in ids:
+        piece, stopped = stream.add(t)
+        shown += piece
+        if stopped:
+            break
+    whole = tok.decode(ids)
+    assert stopped and shown == whole[:whole.index("a little")] and shown.endswith("there was ")
