@@ -36,11 +36,11 @@ from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles
 from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, values
 
 F32 = np.float32
-# Tokens per batched FFN call. As GEMMs (chunks of blas.MIN_TOKENS or more, before GEMM_SHARE), a chunk gained more
+# Tokens per batched FFN call. As GEMMs (chunks that `kernels` sends to BLAS, before GEMM_SHARE), a chunk gained more
 # than the union of its sets cost: TinyLlama pp512 at 90% sparsity, chunks of 128 / 256 / 512: 69 / 81 / 87 tok/s
 # (f32), 58 / 74 / 82 (q4_0).
 FFN_CHUNK = 512
-# A chunk's FFN runs as GEMMs (kernels(T)) only where its tokens compute at least this share of the union's
+# A chunk's FFN runs as GEMMs (kernels) only where its tokens compute at least this share of the union's
 # (token, neuron) pairs; below, fast.cpu's kernel computes each token's own neurons only. Measured crossover, 512
 # tokens, TinyLlama's FFN, random sets: 0.2 (f32) to 0.33 (q4_0); at 0.1, fast.cpu took 68 / 64 / 85 ms against the
 # GEMMs' 213 / 219 / 180 (q8_0 / q4_0 / f32).
@@ -238,7 +238,7 @@ class Engine(Decoder):
         sel, T, F = self.selector, h.shape[0], self.config.d_ffn
         if sel.predicts:
             logits = np.empty((T, F), F32)
-            kernels(T).predictor(logits, np.empty((T, n_rows(sel.fc1[l])), F32), h, sel.fc1[l], sel.fc2[l])
+            kernels(T, h.shape[1]).predictor(logits, np.empty((T, n_rows(sel.fc1[l])), F32), h, sel.fc1[l], sel.fc2[l])
         picked = sel.pick_rows(l, logits if sel.predicts else None, T)  # [T, F]: token t computes neuron i
         union = np.flatnonzero(picked.any(axis=0)).astype(np.int32)
         if len(union) == F:  # every neuron: the picks are the mask as they are
@@ -252,10 +252,10 @@ class Engine(Decoder):
         values.
 
         One short run (a decode step): one compiled call. Otherwise the projections read each weight row once for all
-        tokens (in BLAS from blas.MIN_TOKENS on), the attention runs per sequence."""
+        tokens (in BLAS for steps that `kernels` sends there), the attention runs per sequence."""
         L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.config.norm_eps, h.shape[0]
         w, b = self.norm_weights(L, ATTN_NORM)
-        k = kernels(T)
+        k = kernels(T, h.shape[1])
         if len(runs) == 1 and k is cpu:
             seq = runs[0][0]
             cpu.attention_block(out, h, w, b, L.wqkv, L.bqkv, L.wo, L.bo, cache.k[l][seq], cache.v[l][seq], self.cos,
@@ -270,8 +270,8 @@ class Engine(Decoder):
             cpu.decode_attention(att, qkv, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin)
         else:
             for seq, a, b in runs:
-                kernels(b - a).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq], self.cos,
-                                              self.sin, batch.positions[a])
+                kernels(b - a, h.shape[1]).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq],
+                                                          self.cos, self.sin, batch.positions[a])
         k.matmul(out, att, L.wo)
         cpu.add_bias(out, L.bo)
         return out
@@ -300,7 +300,7 @@ class Engine(Decoder):
 
         One token: the fused decode kernel. Several (a prompt, or one token of each of several sequences): per chunk
         of FFN_CHUNK tokens, each neuron of the union of their sets read once for all of them, each token computing
-        only its own (`sparse_ffn_batch`; in BLAS for chunks of blas.MIN_TOKENS or more that compute GEMM_SHARE of
+        only its own (`sparse_ffn_batch`; in BLAS for chunks that `kernels` sends there and that compute GEMM_SHARE of
         the union's pairs)."""
         L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.config.norm_eps
         w, b = self.norm_weights(L, FFN_NORM)
@@ -314,7 +314,7 @@ class Engine(Decoder):
         for t0 in range(0, T, FFN_CHUNK):
             n = min(FFN_CHUNK, T - t0)
             union, mask = self.active_sets(l, h[t0:t0 + n])
-            k = cpu if np.count_nonzero(mask) < GEMM_SHARE * mask.size else kernels(n)
+            k = cpu if np.count_nonzero(mask) < GEMM_SHARE * mask.size else kernels(n, h.shape[1])
             k.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n],
                                L.bundle, L.bu, union, len(union), mask, self.kind, self.thr)
         cpu.add_bias(y, L.bd)
@@ -342,7 +342,7 @@ class Engine(Decoder):
     def project(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x @ w.T [T, N] with the kernels for T tokens (the embedding's projections, the output head)."""
         out = np.empty((x.shape[0], n_rows(w)), F32)
-        kernels(x.shape[0]).matmul(out, x, w)
+        kernels(*x.shape).matmul(out, x, w)
         return out
 
     def output(self, h: np.ndarray) -> np.ndarray:
@@ -381,9 +381,10 @@ BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "parallel": 
           "parallel_shared": parallel_block}
 
 
-def kernels(T: int):
-    """The kernels for a step of T tokens: fast.cpu's, or from blas.MIN_TOKENS on, fast.blas's (same contracts)."""
-    return blas if T >= blas.MIN_TOKENS else cpu
+def kernels(T: int, D: int):
+    """The kernels for a step of T tokens of width D (d_model): fast.cpu's, or from blas.MIN_TOKENS and
+    blas.MIN_WORK (T D) on, fast.blas's (same contracts)."""
+    return blas if T >= blas.MIN_TOKENS and T * D >= blas.MIN_WORK else cpu
 
 
 def free_cores(sample_seconds: float = 0.1) -> int:

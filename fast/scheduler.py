@@ -301,11 +301,11 @@ class Scheduler:
             z[i] = penalized(z[i], r.out, p.presence_penalty, p.frequency_penalty)
             if p.repeat_penalty != 1.0:
                 z[i] = apply_repeat_penalty(z[i], r.prompt + r.out, p.repeat_penalty, p.repeat_last_n)
-        settings = [r.params for r in reqs]
+        ps = [r.params for r in reqs]
+        u = np.array([r.rng.random() if p.temperature > 0 else 0.0 for r, p in zip(reqs, ps)])  # [B] each one draw
         out = np.empty(len(reqs), np.int64)
-        fast_sample(out, z, np.array([r.rng.random() if r.params.temperature > 0 else 0.0 for r in reqs]),
-                    np.array([p.temperature for p in settings], np.float64), np.array([p.top_k for p in settings]),
-                    np.array([p.top_p for p in settings], np.float64), np.array([p.min_p for p in settings], np.float64))
+        fast_sample(out, z, u, np.array([p.temperature for p in ps], np.float64), np.array([p.top_k for p in ps]),
+                    np.array([p.top_p for p in ps], np.float64), np.array([p.min_p for p in ps], np.float64))
         return out
 
     def next_token(self, r: Request, t: int, logits: np.ndarray) -> None:

@@ -27,10 +27,11 @@ SCHEDULE = [[(0, 5), (1, 2)], [(0, 1), (2, 4), (1, 1)], [(1, 1), (2, 2), (0, 2)]
 @pytest.fixture(autouse=True, params=["cpu", "blas"])
 def step_kernels(request, monkeypatch):
     """Every test twice: steps of two or more tokens on fast.cpu's kernels, then on fast.blas's GEMMs (the
-    prompt-chunk kernels, which otherwise start at blas.MIN_TOKENS, blas.GEMM_TOKENS for a float product, and for a
-    sparse FFN only where the chunk computes engine.GEMM_SHARE of its union)."""
+    prompt-chunk kernels, which otherwise start at blas.MIN_TOKENS and MIN_WORK, blas.GEMM_TOKENS for a float
+    product, and for a sparse FFN only where the chunk computes engine.GEMM_SHARE of its union)."""
     gemm = request.param == "blas"
     monkeypatch.setattr(fast.blas, "MIN_TOKENS", 2 if gemm else 10**9)
+    monkeypatch.setattr(fast.blas, "MIN_WORK", 0 if gemm else 10**9)
     monkeypatch.setattr(fast.blas, "GEMM_TOKENS", 2 if gemm else 10**9)
     monkeypatch.setattr(fast.engine, "GEMM_SHARE", 0.0 if gemm else 2.0)
 

@@ -64,7 +64,8 @@ def test_text_stream_is_the_decoded_ids(model, tmp_path):
     vocab = tok.tok.get_vocab()
     pieces = [[i] for t, i in vocab.items() if not t.startswith("<0x")]
     odd = [[i] for t, i in vocab.items() if t.startswith("<") and not t.startswith("<0x") or t in ("▁", "Ġ", " ")]
-    odd += [[vocab[b] for b in bs] for bs in (["<0xC3>", "<0xA9>"], ["\u00c3", "\u00a9"]) if all(b in vocab for b in bs)]
+    odd += [[vocab[b] for b in bs] for bs in (["<0xC3>", "<0xA9>"], ["\u00c3", "\u00a9"])  # é as two bytes
+            if all(b in vocab for b in bs)]
     rng = np.random.default_rng(0)
     for _ in range(20):
         stream = TextStream(tok, ())
