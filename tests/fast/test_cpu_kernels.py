@@ -122,3 +122,25 @@ def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
     order = np.concatenate([np.arange(8) + 8 * g for g in (3, 0, 2, 1)])
     np.testing.assert_allclose(four(w, x[:1]), want[order, 0], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(tokens(w, x), want[16:24][:, [4, 0, 2, 1]].T.ravel(), rtol=1e-5, atol=1e-4)
+
+
+def test_exp_le0_is_exp_to_an_ulp():
+    """attend's vectorisable exponential against numpy's in float64, over softmax's range x <= 0 (and at the clamp)."""
+    import numpy as np
+    from numba import njit
+
+    @njit(fastmath=cpu.FASTMATH)
+    def exps(out, x):
+        for i in range(x.size):
+            out[i] = cpu.exp_le0(x[i])
+
+    x = -np.concatenate([np.linspace(0, 87, 100_001), np.random.default_rng(0).exponential(5, 10_000)]).astype(np.float32)
+    x = np.concatenate([x, np.float32([0.0, -1e-30, -87.0])])
+    out = np.empty_like(x)
+    exps(out, x)
+    want = np.exp(x.astype(np.float64))
+    kept = x >= -87
+    assert np.max(np.abs(out[kept] - want[kept]) / want[kept]) < 1.2e-7
+    deep = np.float32([-88.0, -100.0, -np.inf])
+    exps(out[:3], deep)
+    assert np.all(out[:3] == out[-1]) and 0 < out[-1] < 1e-37  # exp(-87): nothing beside a softmax's 1
