@@ -137,10 +137,13 @@ def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: i
             api_key: str | None, **engine_options) -> tuple[Server, object]:
     """A started scheduler, which loads the model on its engine thread (fast.load.load_engine with `engine_options`),
     and the application over it: what fast.serve and each fast.replicas replica run."""
+    from fast.engine import free_cores
     from fast.load import load_engine
     from ref.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)  # a bad tokenizer is refused now, not on the engine thread
+    if engine_options.get("threads") is None:  # counted now: once uvicorn starts, its own start-up looks like a
+        engine_options["threads"] = free_cores()  # busy core, and a 2-core machine got 1 thread
 
     def load():
         engine = load_engine(path, **engine_options)

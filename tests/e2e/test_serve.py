@@ -214,3 +214,21 @@ def test_bad_flags_are_one_line(server, args, message):
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(message.format(busy=busy)), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_default_threads_are_counted_before_the_server_starts(monkeypatch):
+    """Without -t the idle cores are counted on the main thread before the engine thread and uvicorn start: counted
+    during their start-up, a core looked busy and a 2-core machine got 1 thread."""
+    import threading
+
+    import fast.engine
+    from fast.serve import serving
+    from tests.helpers import SHIPPED
+    where = []
+    monkeypatch.setattr(fast.engine, "free_cores", lambda *a, **k: where.append(threading.current_thread()) or 1)
+    server, _ = serving(SHIPPED, 1, 0, 512, 4, None, None)
+    try:
+        assert server.scheduler.ready.wait(120), server.scheduler.failed
+        assert where == [threading.main_thread()] and server.scheduler.engine.threads == 1
+    finally:
+        server.scheduler.stop()
