@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fast.sampling import sample
-from fast.scheduler import TextStream
+from fast.scheduler import Params, Request, Scheduler, TextStream, penalized
 from ref.common.sampling import sample as ref_sample
 from ref.common.tokenizer import load_tokenizer
 from tests.helpers import FAMILIES, SHIPPED, write_gguf
@@ -42,6 +42,34 @@ def test_sampler_matches_ref(V, ties):
 def test_sampler_of_no_rows():
     out = np.empty(0, np.int64)
     sample(out, np.zeros((0, 5)), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.ones(0), np.zeros(0))
+
+
+def test_scheduler_samples_each_request_as_ref_does():
+    """A step's rows sampled at once, each with its own penalties (repeat over the last n of prompt and output,
+    presence and frequency over the output), settings and seed: the tokens ref's sampler gives one by one. In the
+    first four rows a penalty (or its window) decides the greedy token."""
+    rng = np.random.default_rng(3)
+    V = 50
+    settings = [Params(temperature=0.0, repeat_penalty=2.0), Params(temperature=0.0, presence_penalty=1.5),
+                Params(temperature=0.0, frequency_penalty=0.4), Params(temperature=0.0, repeat_penalty=2.0,
+                repeat_last_n=3), Params(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=1),
+                Params(temperature=0.7, top_k=0, top_p=0.5, seed=2), Params(temperature=1.2, min_p=0.2,
+                repeat_penalty=0.8, repeat_last_n=3, seed=3), Params(temperature=0.5, top_k=3, seed=5)]
+    logits = (rng.standard_normal((len(settings), V))).astype(np.float32)  # [B, V]
+    histories = {0: ([7], [1, 2]), 1: ([0], [9, 3]), 2: ([0], [11, 11, 11]), 3: ([13], [1, 2, 3])}
+    reqs = []
+    for b, p in enumerate(settings):
+        r = Request([int(i) for i in rng.integers(0, V, 5)], p, None)
+        r.out, r.rng = [int(i) for i in rng.integers(0, V, 7)], np.random.default_rng(p.seed)
+        if b in histories:  # token 7 + 2b leads by 1, the next one is second, and the history decides
+            logits[b, 7 + 2 * b], logits[b, 8 + 2 * b] = 10.0, 9.0
+            r.prompt, r.out = histories[b]
+        reqs.append(r)
+    want = [ref_sample(penalized(z, r.out, r.params.presence_penalty, r.params.frequency_penalty), r.prompt + r.out,
+                       np.random.default_rng(r.params.seed), r.params.temperature, r.params.top_k, r.params.top_p,
+                       r.params.min_p, r.params.repeat_penalty, r.params.repeat_last_n) for r, z in zip(reqs, logits)]
+    assert want[:4] == [8, 10, 12, 13]
+    assert Scheduler.sample(reqs, logits).tolist() == want
 
 
 def spm_model(folder) -> str:
