@@ -6,10 +6,9 @@ by its loads) at 66 and 90; at 8 tokens fast.cpu won (85 vs 50 GFLOPS). So the e
 `MIN_TOKENS` tokens (and `MIN_WORK` tokens x d_model) with these kernels, fewer with fast.cpu's. Since then fast.cpu
 gained 4 x 4 tiles for float products and int8 kernels for q8_0/q4_0, so `matmul` hands a float product of fewer
 than GEMM_TOKENS tokens, and every q8_0/q4_0 one, back to fast.cpu (and the engine keeps a sparse chunk's FFN there,
-engine.GEMM_SHARE). Weights
-in another format than float32 are decoded to float32 first (`fast.cpu.gather_values`: only the rows used, a neuron
-bundle's union rows), and a q8_0 or q4_0 product reads its input rounded to Q8_0 as ref defines
-(`fast.cpu.round_q8_0`); sums then run in float32 in BLAS's order.
+engine.GEMM_SHARE). Weights in another format than float32 are decoded to float32 first (`fast.cpu.gather_values`:
+only the rows used, a neuron bundle's union rows), and a q8_0 or q4_0 product reads its input rounded to Q8_0 as ref
+defines (`fast.cpu.round_q8_0`); sums then run in float32 in BLAS's order.
 
 Threads: BLAS runs single-threaded, and each product is split into -t parts (rows of its tokens, or kv heads) run on
 a pool of Python threads (numpy releases the GIL). OpenBLAS's own workers spin after each call and took the cores

@@ -57,7 +57,7 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.tok, self.stop, self.ids, self.shown = tokenizer, tuple(s for s in stop if s), [], 0
         self.text = ""
-        self.start = self.read = 0  # ids[start:] is decoded per token, ids[:read] is in text: O(1) per token
+        self.start = self.read = 0  # ids[start:] is decoded at each token; ids[:read] are in text
 
     def add(self, token: int) -> tuple[str, bool]:
         """The new text to show after `token`, and whether a stop string ended the text."""
@@ -287,7 +287,8 @@ class Scheduler:
         logits = self.engine.forward(Batch.of(runs, self.cache, last_only=True), self.cache)  # [runs, V]
         self.metrics["seconds_total"] += time.perf_counter() - t0
         self.metrics["decode_steps_total"] += 1
-        rows = logits[[{slot: i for i, (slot, _) in enumerate(runs)}[r.slot] for r in sampled]]  # [B, V]
+        row = {slot: i for i, (slot, _) in enumerate(runs)}
+        rows = logits[[row[r.slot] for r in sampled]]  # [B, V]
         for r, t, z in zip(sampled, self.sample(sampled, rows), rows):
             self.next_token(r, int(t), z)
 
@@ -295,6 +296,9 @@ class Scheduler:
     def sample(reqs: list[Request], logits: np.ndarray) -> np.ndarray:
         """Each request's next token [B] from its row of logits [B, V], with its own penalties, settings and seed:
         ref's sampler, for all rows in one call (fast.sampling)."""
+        out = np.empty(len(reqs), np.int64)
+        if not reqs:  # a step of prompt chunks only
+            return out
         z = logits.astype(np.float64)  # [B, V]
         for i, r in enumerate(reqs):
             p = r.params
@@ -303,9 +307,9 @@ class Scheduler:
                 z[i] = apply_repeat_penalty(z[i], r.prompt + r.out, p.repeat_penalty, p.repeat_last_n)
         ps = [r.params for r in reqs]
         u = np.array([r.rng.random() if p.temperature > 0 else 0.0 for r, p in zip(reqs, ps)])  # [B] each one draw
-        out = np.empty(len(reqs), np.int64)
-        fast_sample(out, z, u, np.array([p.temperature for p in ps], np.float64), np.array([p.top_k for p in ps]),
-                    np.array([p.top_p for p in ps], np.float64), np.array([p.min_p for p in ps], np.float64))
+        fast_sample(out, z, u, np.array([p.temperature for p in ps], np.float64),
+                    np.array([p.top_k for p in ps], np.int64), np.array([p.top_p for p in ps], np.float64),
+                    np.array([p.min_p for p in ps], np.float64))
         return out
 
     def next_token(self, r: Request, t: int, logits: np.ndarray) -> None:

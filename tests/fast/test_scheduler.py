@@ -70,6 +70,7 @@ def test_scheduler_samples_each_request_as_ref_does():
                        r.params.min_p, r.params.repeat_penalty, r.params.repeat_last_n) for r, z in zip(reqs, logits)]
     assert want[:4] == [8, 10, 12, 13]
     assert Scheduler.sample(reqs, logits).tolist() == want
+    assert Scheduler.sample([], logits[:0]).shape == (0,)  # a step of prompt chunks only samples nothing
 
 
 def spm_model(folder) -> str:
