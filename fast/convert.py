@@ -26,8 +26,8 @@ TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned]:
     """The file's tensors in order, each computed when written: norms f32; matrices in fmt (attn_q / attn_k rows in
-    llama.cpp's order; the down matrix transposed when predictors come along); predictors in fmt where their rows are
-    whole blocks, else f16 (q4_0 files: q8_0, ref.quant.predictor_format)."""
+    llama.cpp's order; the down matrix transposed when predictors come along); predictors in the format that goes
+    with fmt where their rows are whole blocks of it, else f16 (ref.quant.predictor_format)."""
     cfg, out = w.config, []
     for name, shape in expected_shapes(cfg).items():
         gname = gguf_name(cfg, name)
@@ -41,10 +41,9 @@ def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned
                                lambda n=name: quantize(upcast(w[n]).T, fmt, n)))
         else:
             out.append(Planned(gname, shape, fmt, lambda n=name: quantize(upcast(w[n]), fmt, n)))
-    pfmt = predictor_format(fmt)
     for l, (a, b) in enumerate(zip(predictors.fc1, predictors.fc2) if predictors is not None else ()):
         for part, t in (("fc1", a), ("fc2", b)):
-            f = pfmt if t.shape[-1] % pfmt.block == 0 else FORMATS["f16"]
+            f = predictor_format(fmt, t.shape[-1])
             out.append(Planned(f"blk.{l}.{part}.weight", tuple(t.shape), f, lambda t=t, f=f: quantize(upcast(t), f)))
     return out
 

@@ -17,7 +17,8 @@ from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
 from ref.common.formats import Format, format_of
 from ref.common.names import expected_shapes
-from ref.quant import predictor_format
+from ref.quant import predictors_beside
+from ref.sparse import resolve_predictors
 
 def kernels_cached() -> bool:
     """Whether numba's on-disk cache holds fast.cpu's kernels (its index files beside the module): if not, the
@@ -67,11 +68,14 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         predictors = None
     check_memory(path, w.config, fmt or stored)
     engine = Engine.load(w, threads, fmt)
-    if predictors is not None:  # a file's own as stored; others in the format that goes with the weights
-        pfmt = (format_of(predictor_type, "--predictor-type") if predictor_type else
-                None if predictors == EMBEDDED else predictor_format(engine.format))
-        apply_predictors(engine, engine.file_predictors if predictors == EMBEDDED else predictors, predictor_threshold,
-                         pfmt)
+    if predictors is not None:
+        source = engine.file_predictors if predictors == EMBEDDED else predictors
+        if predictor_type or predictors == EMBEDDED:  # in the format asked for, or a file's own as stored
+            apply_predictors(engine, source, predictor_threshold,
+                             format_of(predictor_type, "--predictor-type") if predictor_type else None)
+        else:  # in the formats that go with the weights
+            pred, threshold = resolve_predictors(engine.config, source, predictor_threshold)
+            apply_predictors(engine, predictors_beside(pred, engine.format), threshold)
     if device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
     engine.warm_up()

@@ -8,6 +8,7 @@ medians over all tokens of all rounds.
 """
 
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from fast.engine import Selector
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
-from ref.quant import predictor_format, quantize_predictors
+from ref.quant import predictor_format, predictors_beside, quantize_predictors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -78,8 +79,11 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         raise click.UsageError(f"--peer times llama.cpp on a LLaMA-family GGUF; {shape} is a {cfg.family} shape")
     engine = random_engine(cfg, threads, fmt=FORMATS[type_])
     R = predictor_size(cfg)
-    pfmt = FORMATS[predictor_type] if predictor_type else predictor_format(engine.format)
-    pred = quantize_predictors(synthetic_predictors(cfg, R), pfmt)
+    pred = synthetic_predictors(cfg, R)
+    if predictor_type:
+        pfmt, pred = FORMATS[predictor_type], quantize_predictors(pred, predictor_type)
+    else:  # as fast.load stores them: the format that goes with the weights where the rows are whole blocks of it
+        pfmt, pred = predictor_format(engine.format, math.gcd(cfg.d_model, R)), predictors_beside(pred, engine.format)
     selectors = {"dense": Selector(cfg.d_ffn), "sparse": SyntheticSelector(pred, cfg, sparsity)}
     probe = ReadProbe(probe_gib)
     with tempfile.TemporaryDirectory() as tmp:

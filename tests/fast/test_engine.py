@@ -5,11 +5,12 @@ import fast
 import ref
 from fast import Engine, apply_predictors
 from fast.engine import convert
-from fast.quant import INTERLEAVED, plain
+from fast.quant import INTERLEAVED, base_format, plain
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
-from ref.quant import quantize_model
+from ref.common.artifacts import Predictors
+from ref.quant import predictor_format, predictors_beside, quantize_model
 from tests.fast.conftest import sparse_engine
 from tests.helpers import SHIPPED, assert_close, write_model
 
@@ -99,13 +100,16 @@ def test_predictors_of_another_model(small, tmp_path):
 
 
 def test_facade_composes_the_transforms(small):
-    """load_engine = Engine.load, then apply_predictors (in the weights' format, f16 here), then the warm-up: the
-    same logits, kernels compiled."""
+    """load_engine = Engine.load, then apply_predictors (in the formats that go with the weights, f16 here: q8_0 where
+    a matrix's rows are whole blocks, else f16), then the warm-up: the same logits, kernels compiled."""
     ids = np.array([1, 2, 3, 4])
     e = fast.load_engine(small, predictors=small / "predictors.safetensors", predictor_threshold=0.5)
     assert e.selector.threshold == np.float32(0.5) and e.compile_seconds > 0
-    assert e.selector.fc1[0].dtype == FORMATS["f16"].dtype
-    want = apply_predictors(Engine.load(small), small / "predictors.safetensors", 0.5, FORMATS["f16"]).logits(ids)
+    pred = Predictors.load(small / "predictors.safetensors", e.config)
+    for ours, theirs in ((e.selector.fc1[0], pred.fc1[0]), (e.selector.fc2[0], pred.fc2[0])):
+        assert base_format(ours.dtype) == predictor_format(FORMATS["f16"], theirs.shape[-1])
+    assert {base_format(e.selector.fc1[0].dtype).name, base_format(e.selector.fc2[0].dtype).name} <= {"f16", "q8_0"}
+    want = apply_predictors(Engine.load(small), predictors_beside(pred, FORMATS["f16"]), 0.5).logits(ids)
     np.testing.assert_array_equal(e.logits(ids), want)
 
 

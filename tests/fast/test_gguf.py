@@ -18,7 +18,7 @@ from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.gguf_io import read_gguf, rope_rows
 from ref.common.tokenizer import load_tokenizer
-from ref.quant import quantize_predictors, values
+from ref.quant import predictor_format, predictors_beside, values
 from tests.helpers import ROOT, SHIPPED, assert_close, write_gguf
 
 TYPES = ["f16", "q8_0", "q4_0"]
@@ -80,7 +80,8 @@ def test_round_trip_through_llama_cpps_reader(files, fmt, tmp_path):
     check("output.weight", w["lm_head"].astype(np.float32))
     check("blk.0.attn_norm.weight", w["layers.0.attn_norm"].astype(np.float32), gguf.GGMLQuantizationType.F32)
     pred = Predictors.load(SHIPPED / "predictors.safetensors", c)
-    check("blk.3.fc2.weight", pred.fc2[3], gguf.GGMLQuantizationType.Q8_0 if fmt == "q4_0" else qtype)
+    pfmt = predictor_format(FORMATS[fmt], pred.fc2[3].shape[-1])  # q8_0 beside f16, bf16 and q4_0
+    check("blk.3.fc2.weight", pred.fc2[3], gguf.GGMLQuantizationType[pfmt.name.upper()])
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
     assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == c.n_layers
     assert (meta["llama.embedding_length"], meta["llama.feed_forward_length"]) == (c.d_model, c.d_ffn)
@@ -104,9 +105,8 @@ def test_fast_on_the_file_is_fast_on_the_folder_at_that_format(files, fmt):
     assert on_file.format.name == fmt
     assert_close(on_file.logits(IDS), on_folder.logits(IDS), rtol=1e-6)
     pred = Predictors.load(SHIPPED / "predictors.safetensors", on_folder.config)
-    pfmt = "q8_0" if fmt == "q4_0" else fmt
     sparse_file = apply_predictors(on_file, on_file.file_predictors)
-    sparse_folder = apply_predictors(on_folder, quantize_predictors(pred, pfmt))
+    sparse_folder = apply_predictors(on_folder, predictors_beside(pred, FORMATS[fmt]))
     assert sparse_file.selector.threshold == pytest.approx(pred.threshold)
     assert_close(sparse_file.logits(IDS), sparse_folder.logits(IDS), rtol=1e-6)
 
