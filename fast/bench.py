@@ -3,6 +3,7 @@
 Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V vocab, L layers, R predictor hidden.
 """
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fast import cpu
-from fast.engine import Engine, Selector
+from fast.engine import Engine, Selector, dense_ffn
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.config import ModelConfig
@@ -55,6 +56,15 @@ def random_engine(cfg: ModelConfig, threads: int, seed: int = 0, fmt: Format | N
     """Random weights laid out as Engine.load lays out a checkpoint, in `fmt` (default float32): converted a layer
     at a time, so that a 7B shape in q4_0 never holds the model in float32."""
     return Engine.load(Weights(cfg, RandomTensors(cfg, seed)), threads, fmt)
+
+
+def dense_twin(engine: Engine) -> Engine:
+    """The engine's weights laid out for a dense run as fast.run lays them out (dense_ffn, no predictors), sharing
+    all but the FFN layout with it: one more FFN's memory at most."""
+    e = engine
+    twin = Engine(e.config, [dataclasses.replace(L) for L in e.layers], e.embed, e.norm, e.lm_head, e.threads, e.format,
+                  e.norm_b, e.pos_embed, e.project_in, e.project_out)
+    return dense_ffn(twin)
 
 
 def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
@@ -134,34 +144,32 @@ class ReadProbe:
         return self.a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def bracketed_decode(engine: Engine, selectors: dict, probe: ReadProbe, tokens: int, seed: int = 0,
-                     peer=None) -> dict:
-    """One round: `tokens` decode steps for each selector in turn (and for the `peer`, llama.cpp, if given), every
-    token between two probe passes.
+def bracketed_decode(engines: dict, probe: ReadProbe, tokens: int, seed: int = 0, peer=None) -> dict:
+    """One round: `tokens` decode steps for each engine in turn (each with its own selector; and for the `peer`,
+    llama.cpp, if given), every token between two probe passes.
 
     On a shared machine the bandwidth a token gets moves within a second, so each token is compared with the
-    passes just before and after it (`around`), and the selectors with each other step by step. Returns per
-    selector the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
+    passes just before and after it (`around`), and the engines with each other step by step. Returns per
+    engine the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
     steps = {}
-    for name, selector in selectors.items():
+    for name, engine in engines.items():
         cache = engine.new_cache(tokens + 1)
-        engine.selector = selector
         engine.forward(Batch.single([1], cache), cache)
 
-        def step(token, selector=selector, cache=cache):
-            engine.selector = selector
+        def step(token, engine=engine, cache=cache):
             engine.forward(Batch.single([token], cache), cache)
         steps[name] = step
     if peer is not None:
         peer.reset()
         peer.step(1)
         steps[peer.name] = peer.step
+    V = next(iter(engines.values())).config.vocab_size
     out = {name: {"seconds": [], "around": []} for name in steps}
     probes = [probe()]
     for i in range(tokens):
         for name, step in steps.items():
             t0 = time.perf_counter()
-            step((7 * i + seed) % engine.config.vocab_size)
+            step((7 * i + seed) % V)
             out[name]["seconds"].append(time.perf_counter() - t0)
             probes.append(probe())
             out[name]["around"].append((probes[-2] + probes[-1]) / 2)
@@ -194,13 +202,13 @@ class LlamaCpp:
         self.llm.eval([int(t) for t in tokens])
 
 
-def prefill_rounds(engine: Engine, selectors: dict, n: int, runs: int, peer=None) -> dict:
-    """Seconds of an n-token prompt from an empty cache, per selector (and the peer), the runs interleaved."""
-    tokens = (np.arange(n) * 7 + 1) % engine.config.vocab_size
-    out = {name: [] for name in [*selectors, *([peer.name] if peer else [])]}
+def prefill_rounds(engines: dict, n: int, runs: int, peer=None) -> dict:
+    """Seconds of an n-token prompt from an empty cache, per engine (and the peer), the runs interleaved."""
+    tokens = (np.arange(n) * 7 + 1) % next(iter(engines.values())).config.vocab_size
+    out = {name: [] for name in [*engines, *([peer.name] if peer else [])]}
     for _ in range(runs + 1):  # the first round compiles
-        for name, selector in selectors.items():
-            engine.selector, cache = selector, engine.new_cache(n)
+        for name, engine in engines.items():
+            cache = engine.new_cache(n)
             t0 = time.perf_counter()
             engine.forward(Batch.single(tokens, cache), cache)
             out[name].append(time.perf_counter() - t0)
@@ -211,14 +219,13 @@ def prefill_rounds(engine: Engine, selectors: dict, n: int, runs: int, peer=None
     return {name: seconds[1:] for name, seconds in out.items()}
 
 
-def sequence_rounds(engine: Engine, selectors: dict, B: int, tokens: int, runs: int) -> dict:
+def sequence_rounds(engines: dict, B: int, tokens: int, runs: int) -> dict:
     """Seconds of `tokens` steps of B sequences decoding together (one token each per step, one forward), per
-    selector, the runs interleaved; each sequence starts from a one-token prompt."""
-    out = {name: [] for name in selectors}
-    V = engine.config.vocab_size
+    engine, the runs interleaved; each sequence starts from a one-token prompt."""
+    out = {name: [] for name in engines}
     for r in range(runs + 1):  # the first round compiles
-        for name, selector in selectors.items():
-            engine.selector, cache = selector, engine.new_cache(tokens + 1, slots=B)
+        for name, engine in engines.items():
+            V, cache = engine.config.vocab_size, engine.new_cache(tokens + 1, slots=B)
             engine.forward(Batch.of([(s, [1 + s]) for s in range(B)], cache), cache)
             t0 = time.perf_counter()
             for i in range(tokens):
@@ -267,11 +274,12 @@ def busy_cores(n: int):
             p.wait()
 
 
-def bytes_per_token(engine: Engine, active_neurons: float, selector: Selector) -> float:
-    """Weight bytes a decode step reads: attention, the active FFN bundles, predictors, lm_head."""
-    c, L0 = engine.config, engine.layers[0]
+def bytes_per_token(engine: Engine, active_neurons: float) -> float:
+    """Weight bytes a decode step reads: attention, the active neurons' FFN rows (bundles, or the dense layout's
+    rows), the engine's predictors, lm_head."""
+    c, L0, selector = engine.config, engine.layers[0], engine.selector
     attn = L0.wqkv.nbytes + L0.wo.nbytes
-    ffn = active_neurons * L0.bundle.nbytes / c.d_ffn
+    ffn = active_neurons * (L0.bundle.nbytes + (0 if L0.gate_up is None else L0.gate_up.nbytes)) / c.d_ffn
     pred = sum(a.nbytes + b.nbytes for a, b in zip(selector.fc1, selector.fc2)) if selector.predicts else 0
     return c.n_layers * (attn + ffn) + pred + engine.lm_head.nbytes
 

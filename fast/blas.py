@@ -179,3 +179,11 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
         u = np.ones_like(g)
     cpu.masked_activation(g, g, u, mask, kind, thr)
     gemm(out, g, b[:, P - 1, :])
+
+
+def dense_down(out, acc, gu, down, kind, thr):
+    """Same contract as fast.cpu.dense_down (acc unused): the down rows decoded once, then one GEMM,
+    out = a(g, u) Wd."""
+    a = np.empty((gu.shape[0], down.shape[0]), F32)  # [T, F]
+    cpu.activations(a, gu, kind, thr)
+    gemm(out, a, dense(down))

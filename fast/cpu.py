@@ -518,9 +518,7 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
     for c in prange(C):
         lo, hi = c * n_active // C, (c + 1) * n_active // C
         y = acc[c]
-        for t in range(T):
-            for d in range(D):
-                y[t, d] = 0.0
+        y[:] = 0.0
         tokens, acts = np.empty(T, np.int64), np.empty(T, np.float32)  # a neuron's tokens and their activations
         for j in range(lo, hi):
             i = active[j]
@@ -562,6 +560,66 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
             if k < m:
                 axpy(y[tokens[k]], acts[k], b[P - 1])
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def dense_down(out, acc, gu, down, kind, thr):
+    """out[t] = sum_i a_ti down_i, a_ti = a(g_ti, u_ti) from gu[t] = (g_t, u_t) over all F neurons: the down half of
+    a dense FFN whose gate and up rows ran as one matmul (Engine's dense layout, dense_ffn). A zero activation skips
+    its down row; one token's rows go four at a time (axpy4), several tokens' four tokens at a time (axpy4t).
+
+    out: [T, D]; acc: [C, T, D] per-chunk private accumulators; gu: [T, 2F]; down: [F, D] rows of down^T."""
+    C, T, D = acc.shape
+    F = down.shape[0]
+    for c in prange(C):
+        lo, hi = c * F // C, (c + 1) * F // C
+        y = acc[c]
+        y[:] = 0.0
+        acts, ids = np.empty(max(T, 8), np.float32), np.empty(max(T, 8), np.int64)
+        n = 0
+        for i in range(lo, hi):
+            if T == 1:  # neurons wait until four add something
+                acts[n], ids[n] = activation(kind, gu[0, i], gu[0, F + i], thr), i
+                n += acts[n] != 0
+                if n == 4:
+                    axpy4(y[0], acts[0], acts[1], acts[2], acts[3], down[ids[0]], down[ids[1]], down[ids[2]],
+                          down[ids[3]])
+                    n = 0
+                continue
+            m = 0  # the tokens whose activation is not 0
+            for t in range(T):
+                acts[m], ids[m] = activation(kind, gu[t, i], gu[t, F + i], thr), t
+                m += acts[m] != 0
+            for k in range(0, m - 3, 4):
+                axpy4t(y, ids[k], ids[k + 1], ids[k + 2], ids[k + 3], acts[k], acts[k + 1], acts[k + 2], acts[k + 3],
+                       down[i])
+            for k in range(m - m % 4, m):
+                axpy(y[ids[k]], acts[k], down[i])
+        for k in range(n):
+            axpy(y[0], acts[k], down[ids[k]])
+    sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def activations(a, gu, kind, thr):
+    """a[t, i] = a(g_ti, u_ti) from gu[t] = (g_t, u_t).  a: [T, F]; gu: [T, 2F]."""
+    T, F = a.shape
+    for t in prange(T):
+        for i in range(F):
+            a[t, i] = activation(kind, gu[t, i], gu[t, F + i], thr)
+
+
+@njit(cache=True, nogil=True)
+def dense_ffn_block(out, acc, h, ffn_norm, ffn_norm_b, gate_up, down, bd, kind, thr, eps):
+    """out = dense_down(matmul(norm(h), gate_up)) + bd for one token, as one compiled call.  out, h: [D]; acc: [C, D];
+    gate_up: [2F, D] (interleaved groups, fast.quant.INTERLEAVED); down: [F, D]."""
+    D = h.size
+    x = np.empty((1, D), np.float32)
+    norm(x, h.reshape((1, D)), ffn_norm, ffn_norm_b, eps)
+    gu = np.empty((1, 2 * down.shape[0]), np.float32)
+    matmul(gu, x, gate_up)
+    dense_down(out.reshape((1, D)), acc.reshape((acc.shape[0], 1, D)), gu, down, kind, thr)
+    add_bias(out.reshape((1, D)), bd)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)

@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda
 
 from fast import cpu, gpu
-from fast.engine import Decoder, Engine
+from fast.engine import Decoder, Engine, bundled
 from ref.model import ATTN_NORM, FFN_NORM
 from ref.common.artifacts import dense_names
 from ref.common.batch import Batch, KVCache, advance, check_batch
@@ -299,7 +299,8 @@ def to_hybrid(engine: Engine, gpu_neurons: list[np.ndarray], dense_on_gpu=None) 
     if unknown:
         raise UserError(f"placement: unknown dense part '{unknown[0]}' for a {c.n_layers}-layer model: "
                         "a placement for another model, or from an older version (solve it again)")
-    return HybridEngine(engine, [np.asarray(g, np.int32) for g in gpu_neurons], set(dense))
+    # the split reads neuron bundles (an engine laid out densely, dense_ffn, has them again)
+    return HybridEngine(bundled(engine), [np.asarray(g, np.int32) for g in gpu_neurons], set(dense))
 
 
 def device_identity() -> tuple[str, int]:

@@ -7,7 +7,7 @@ kernels. Nothing here is written to disk: a placement solved at load lives in me
 from pathlib import Path
 
 from fast import cpu
-from fast.engine import Decoder, Engine, apply_predictors, stored_format
+from fast.engine import Decoder, Engine, apply_predictors, dense_ffn, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from fast.quant import base_format
 from placement.budget import GiB, hardware_for, whole_layers
@@ -78,6 +78,8 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
             apply_predictors(engine, predictors_beside(pred, engine.format), threshold)
     if device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
+    elif predictors is None:
+        dense_ffn(engine)
     engine.warm_up()
     return engine
 

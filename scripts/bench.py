@@ -16,9 +16,8 @@ import click
 import numpy as np
 
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
-                        overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
+                        dense_twin, overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, synthetic_predictors)
-from fast.engine import Selector
 from ref.common.cli import user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
@@ -84,19 +83,21 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         pfmt, pred = FORMATS[predictor_type], quantize_predictors(pred, predictor_type)
     else:  # as fast.load stores them: the format that goes with the weights where the rows are whole blocks of it
         pfmt, pred = predictor_format(engine.format, math.gcd(cfg.d_model, R)), predictors_beside(pred, engine.format)
-    selectors = {"dense": Selector(cfg.d_ffn), "sparse": SyntheticSelector(pred, cfg, sparsity)}
+    # dense: laid out as fast.run lays out a run without predictors (dense_twin); sparse: the bundles and predictors
+    engine.selector = SyntheticSelector(pred, cfg, sparsity)
+    engines = {"dense": dense_twin(engine), "sparse": engine}
     probe = ReadProbe(probe_gib)
     with tempfile.TemporaryDirectory() as tmp:
         peer = None
         if with_peer:  # llama.cpp on a random GGUF of the same shape and format, timed token by token among ours
             random_gguf(cfg, engine.format, Path(tmp) / "peer.gguf")
             peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, max(tokens, pp) + 2)
-        rounds = [bracketed_decode(engine, selectors, probe, tokens, r, peer) for r in range(runs + 1)][1:]  # round 0 compiles
-        prefill = prefill_rounds(engine, selectors, pp, runs, peer) if pp else {}
-    together = {B: sequence_rounds(engine, selectors, B, tokens, runs) for B in batches}
-    names = [*selectors, *([LlamaCpp.name] if peer else [])]
-    nbytes = {"dense": bytes_per_token(engine, cfg.d_ffn, selectors["dense"]),
-              "sparse": bytes_per_token(engine, selectors["sparse"].mean_active(), selectors["sparse"])}
+        rounds = [bracketed_decode(engines, probe, tokens, r, peer) for r in range(runs + 1)][1:]  # round 0 compiles
+        prefill = prefill_rounds(engines, pp, runs, peer) if pp else {}
+    together = {B: sequence_rounds(engines, B, tokens, runs) for B in batches}
+    names = [*engines, *([LlamaCpp.name] if peer else [])]
+    nbytes = {"dense": bytes_per_token(engines["dense"], cfg.d_ffn),
+              "sparse": bytes_per_token(engine, engine.selector.mean_active())}
     nbytes[LlamaCpp.name] = nbytes["dense"]  # the same matrices, dense
     seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in names}  # every token
     around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in names}  # its probe passes, GB/s
@@ -111,7 +112,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     overhead = overhead_per_token(cfg, engine.threads)
     out = {"shape": shape, "type": type_, "predictor_type": pfmt.name, "layers": cfg.n_layers, "threads": engine.threads, "busy": busy,
            "sparsity": sparsity,
-           "predictor_hidden": R, "mean_active": selectors["sparse"].mean_active(),
+           "predictor_hidden": R, "mean_active": engine.selector.mean_active(),
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
            "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in names}}
                       for i, r in enumerate(rounds)],
@@ -124,13 +125,13 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     agg = {B: {name: B * tokens / float(np.median(t)) for name, t in secs.items()} for B, secs in together.items()}
     for B in together:  # t/s: median of the runs; scaling against B = 1 timed the same way
         curve.append({"B": B, "tok_s": agg[B]["sparse"], "per_sequence_tok_s": agg[B]["sparse"] / B,
-                      "scaling": agg[B]["sparse"] / agg[1]["sparse"], "union_neurons": selectors["sparse"].mean_union(B),
+                      "scaling": agg[B]["sparse"] / agg[1]["sparse"], "union_neurons": engine.selector.mean_union(B),
                       "dense": {"tok_s": agg[B]["dense"], "per_sequence_tok_s": agg[B]["dense"] / B,
                                 "scaling": agg[B]["dense"] / agg[1]["dense"]}})
     if curve:  # the single record when one B was asked for, else the curve
         out["sequences"] = curve[-1] if len(curve) == 2 else curve
     if peer:  # step by step, as sparse/dense
-        out["ratio_vs_llama_cpp"] = {name: float(np.median(seconds[LlamaCpp.name] / seconds[name])) for name in selectors}
+        out["ratio_vs_llama_cpp"] = {name: float(np.median(seconds[LlamaCpp.name] / seconds[name])) for name in engines}
     size_gib = nbytes["dense"] / 2**30
     click.echo(f"read bandwidth: {out['read_bandwidth_gbs']:.1f} GB/s (median of {len(probes)} probe passes of "
                f"{probe.a.nbytes / 2**30:.2f} GiB between the tokens; best {out['read_peak_gbs']:.1f}); roofline = a token's "
@@ -148,7 +149,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | {backend} | "
                    f"{engine.threads} | pp{pp} | {pp / np.median(t):.2f} ± {np.std(pp / np.asarray(t)):.2f} | | |")
     for c in curve:
-        for name in selectors:
+        for name in engines:
             r = c if name == "sparse" else c[name]
             click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | "
                        f"numba-cpu {name} | {engine.threads} | tg{tokens} x{c['B']} | {r['tok_s']:.2f} | | |")

@@ -7,8 +7,9 @@ One table (SHAPES) serves the CPU kernels and the GPU kernels, which mirror the 
 import numpy as np
 
 from fast.cpu import KINDS
-from fast.quant import interleave
+from fast.quant import INTERLEAVED, ROWS, interleave
 from ref.model import attention as ref_attention
+from ref.model import ffn_activation
 from ref.quant import blocks, input_values, quantize, values
 from ref.model import layernorm as ref_layernorm
 from ref.model import rmsnorm as ref_rmsnorm
@@ -168,6 +169,28 @@ def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32", norm="rms", g
             want(normed(h[None].astype(np.float64))[0], active, kind) + (0 if gated else bd))
 
 
+def case_dense_down(rng, T, F, D, kind, chunks=3, fmt="f32"):
+    """The dense layout's down half: a(g, u) of one matmul's [g | u] per token, times the down rows."""
+    gu = randn(rng, T, 2 * F)
+    down, dv, _ = stored(randn(rng, F, D, scale=0.5), fmt)
+    out, acc = np.empty((T, D), F32), np.empty((chunks, T, D), F32)
+    a = ffn_activation(kind, gu[:, :F].astype(np.float64), gu[:, F:].astype(np.float64), 0.1)  # [T, F]
+    return (lambda k: (k.dense_down(out, acc, gu, down, KINDS[kind], F32(0.1)), out)[1], a @ dv)
+
+
+def case_dense_ffn_block(rng, F, D, kind, chunks=3, fmt="f32", norm="rms"):
+    """One token through the dense layout: norm, [gate | up] rows as one (interleaved) matrix, the down rows."""
+    h = randn(rng, D, scale=3)
+    w, b, normed = norm_weights(rng, D, norm)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, True)
+    gate_up = np.concatenate([bundle[:, 0], bundle[:, 1]])
+    gate_up = interleave(gate_up) if fmt in INTERLEAVED and (2 * F) % ROWS == 0 else gate_up
+    out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
+    return (lambda k: (k.dense_ffn_block(out, acc, h, w, b, gate_up, np.ascontiguousarray(bundle[:, 2]), EMPTY,
+                                         KINDS[kind], F32(0.1), 1e-5), out)[1],
+            want(normed(h[None].astype(np.float64))[0], np.arange(F), kind))
+
+
 def case_predictor(rng, T, D, R, F):
     h, fc1, fc2 = randn(rng, T, D, scale=2), randn(rng, R, D), randn(rng, F, R)
     out, hidden = np.empty((T, F), F32), np.empty((T, R), F32)
@@ -186,6 +209,7 @@ CASES = {
     "rmsnorm": case_rmsnorm, "norm": case_norm, "add_bias": case_add_bias, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
+    "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block,
 }
 
 # (kernel, shape, sim): tails (sizes off every block), single tokens, GQA, MHA and MQA, empty and full active sets.
@@ -251,6 +275,10 @@ SHAPES = [
     ("sparse_ffn_batch", dict(T=3, F=30, D=33, kind="fatrelu", chunks=7), False),
     ("sparse_ffn_batch", dict(T=6, F=40, D=19, kind="relu", empty=True, full=True, gated=False), False),
     ("sparse_ffn_batch", dict(T=2, F=9, D=8, kind="gelu", gated=False), False),
+    ("dense_down", dict(T=1, F=37, D=19, kind="relu"), False), ("dense_down", dict(T=1, F=9, D=8, kind="drelu", chunks=7), False),
+    ("dense_down", dict(T=5, F=40, D=19, kind="fatrelu"), False), ("dense_down", dict(T=6, F=30, D=33, kind="silu"), False),
+    ("dense_ffn_block", dict(F=50, D=19, kind="relu"), False), ("dense_ffn_block", dict(F=9, D=8, kind="silu"), False),
+    ("dense_ffn_block", dict(F=20, D=19, kind="relu", norm="layer"), False),
     # every weight-reading kernel in every format fast.cpu reads
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("f16", "bf16") for name, shape in (
         ("matmul", dict(T=2, N=301, K=9)), ("matmul", dict(T=1, N=7, K=40)), ("matmul", dict(T=6, N=150, K=20)),
@@ -258,6 +286,7 @@ SHAPES = [
         ("sparse_ffn", dict(F=100, D=33, n_active=37, kind="relu")), ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="drelu")),
         ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")),
         ("ffn_block", dict(F=50, D=19, n_active=13, kind="fatrelu")),
+        ("dense_down", dict(T=2, F=30, D=19, kind="relu")), ("dense_ffn_block", dict(F=20, D=19, kind="relu")),
         ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33)))],
     # block formats: rows of whole 32-element blocks; one block, several, row counts off the four streams
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("q8_0", "q4_0") for name, shape in (
@@ -265,6 +294,9 @@ SHAPES = [
         ("matmul", dict(T=9, N=37, K=64)),  # rows against four tokens at a time, and a tail token
         ("sparse_ffn", dict(F=100, D=64, n_active=37, kind="relu")), ("sparse_ffn", dict(F=77, D=32, n_active=77, kind="drelu")),
         ("sparse_ffn", dict(F=20, D=32, n_active=0, kind="relu")), ("sparse_ffn", dict(F=9, D=64, n_active=2, kind="relu", chunks=7)),
+        ("dense_down", dict(T=1, F=40, D=64, kind="relu")), ("dense_down", dict(T=6, F=30, D=64, kind="relu")),
+        ("dense_ffn_block", dict(F=40, D=64, kind="relu")),  # [gate | up] interleaved: 80 rows
+        ("dense_ffn_block", dict(F=9, D=32, kind="drelu")),  # 18 rows: not whole groups of 8, plain rows
         ("ffn_block", dict(F=50, D=64, n_active=13, kind="fatrelu")),
         ("sparse_ffn_batch", dict(T=4, F=20, D=64, kind="relu", empty=True, full=True)),
         ("sparse_ffn_batch", dict(T=5, F=20, D=64, kind="relu", full=True, gated=False)),
@@ -281,7 +313,7 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
     ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")))]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; batched prefill runs on the CPU so far.
-CPU_ONLY = {"predicted_set", "sparse_ffn_batch"}
+CPU_ONLY = {"predicted_set", "sparse_ffn_batch", "dense_down", "dense_ffn_block"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
 

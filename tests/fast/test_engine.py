@@ -4,7 +4,8 @@ import pytest
 import fast
 import ref
 from fast import Engine, apply_predictors
-from fast.engine import convert
+from fast import blas
+from fast.engine import convert, dense_ffn
 from fast.quant import INTERLEAVED, base_format, plain
 from ref.common.batch import Batch
 from ref.common.errors import UserError
@@ -131,3 +132,33 @@ def test_convert_is_ref_at_that_format(small, fmt):
     assert e.format.name == fmt and plain(e.layers[1].wqkv).dtype == FORMATS[fmt].dtype
     assert (e.layers[1].wqkv.dtype == INTERLEAVED.get(fmt)) == (fmt in INTERLEAVED)  # rows grouped for matmul
     assert_close(e.logits(ids), quantize_model(ref.load_model(small), fmt).logits(ids), rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_dense_layout_is_ref_and_bundles_again(small, fmt, monkeypatch):
+    """dense_ffn: gate and up rows as one interleaved matrix, the bundles the down rows only; ref's logits at that
+    format for one token, for a prompt, and for a prompt in fast.blas's kernels. apply_predictors bundles the rows
+    again, exactly as they were."""
+    want = quantize_model(ref.load_model(small), fmt)
+    e = dense_ffn(convert(Engine.load(small), FORMATS[fmt]))
+    L = e.layers[0]
+    assert L.gate_up.dtype == INTERLEAVED[fmt] and L.bundle.shape[1:] == (1, e.config.d_model // 32)
+    ids = np.array([2, 3, 5, 7, 11, 13])
+    assert_close(e.logits(ids[:1]), want.logits(ids[:1]), rtol=1e-4)
+    assert_close(e.logits(ids), want.logits(ids), rtol=1e-4)
+    with monkeypatch.context() as m:
+        m.setattr(blas, "MIN_TOKENS", 1)
+        m.setattr(blas, "MIN_WORK", 0)
+        assert_close(e.logits(ids), want.logits(ids), rtol=1e-4)
+    sparse = apply_predictors(e, small / "predictors.safetensors")
+    bundles = convert(Engine.load(small), FORMATS[fmt])
+    assert sparse.layers[0].gate_up is None
+    np.testing.assert_array_equal(sparse.layers[0].bundle, bundles.layers[0].bundle)
+    np.testing.assert_array_equal(sparse.logits(ids), apply_predictors(bundles, small / "predictors.safetensors").logits(ids))
+
+
+def test_load_engine_lays_a_dense_run_out_densely(tmp_path):
+    """fast.run without predictors (--dense, or none beside the model) runs the dense layout where it has one."""
+    d = write_model(tmp_path, {"intermediate_size": 64})
+    assert fast.load_engine(d, type_="q4_0").layers[0].gate_up is not None
+    assert fast.load_engine(d).layers[0].gate_up is None  # float formats keep their bundles
