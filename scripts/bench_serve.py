@@ -42,18 +42,21 @@ async def stream_one(client, prompt: str, n: int, seed: int) -> dict:
     return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "seconds": end - t0}
 
 
-async def load(url: str, headers: dict, clients: int, tokens: int) -> tuple[dict, list, float]:
-    """One client alone, then `clients` at once, on one asyncio HTTP client (threads in Python would measure the
-    load generator)."""
+async def load(url: str, headers: dict, clients: int, tokens: int, rounds: int) -> list[tuple[dict, list, float]]:
+    """`rounds` times: one client alone, then `clients` at once, on one asyncio HTTP client (threads in Python would
+    measure the load generator). Interleaved rounds, since a shared machine's speed drifts within a minute."""
     import httpx
     limits = httpx.Limits(max_connections=clients + 1)
+    out = []
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
         await stream_one(client, "warm up", 4, 0)
-        alone = await stream_one(client, "once upon a time", tokens, 1)
-        t0 = time.perf_counter()
-        runs = await asyncio.gather(*[stream_one(client, f"once upon a time, story {i}", tokens, i)
-                                      for i in range(clients)])
-        return alone, runs, time.perf_counter() - t0
+        for k in range(rounds):
+            alone = await stream_one(client, "once upon a time", tokens, 1 + k)
+            t0 = time.perf_counter()
+            runs = await asyncio.gather(*[stream_one(client, f"once upon a time, story {i}", tokens, i + 100 * k)
+                                          for i in range(clients)])
+            out.append((alone, runs, time.perf_counter() - t0))
+    return out
 
 
 def rss_kib(pid: int) -> int:
@@ -74,11 +77,13 @@ def free_port() -> int:
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("--clients", type=int, default=16, show_default=True)
 @click.option("--tokens", type=int, default=64, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Rounds of one client alone then the concurrent clients; tok/s and the scaling are their medians.")
 @click.option("--sequential", type=int, default=0, show_default=True,
               help="Also send this many requests one after another and compare resident memory (0: no).")
 @click.option("--api-key", default=None)
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
-def main(url, model, slots, threads, clients, tokens, sequential, api_key, json_file):
+def main(url, model, slots, threads, clients, tokens, rounds, sequential, api_key, json_file):
     """Aggregate tok/s of concurrent streaming clients against one alone, with latency percentiles."""
     import httpx
     proc = None
@@ -101,17 +106,22 @@ def main(url, model, slots, threads, clients, tokens, sequential, api_key, json_
             time.sleep(0.2)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        alone, runs, wall = asyncio.run(load(url, headers, clients, tokens))
-        ok = [r for r in runs if "error" not in r]
-        failed = len(runs) - len(ok)
-        one_tok_s = alone["tokens"] / alone["seconds"]
-        agg = sum(r["tokens"] for r in ok) / wall
+        rounds_ = asyncio.run(load(url, headers, clients, tokens, rounds))
+        if any("error" in alone for alone, _, _ in rounds_):
+            raise SystemExit(f"one client alone failed: {next(a for a, _, _ in rounds_ if 'error' in a)['error']}")
+        ok = [r for _, runs, _ in rounds_ for r in runs if "error" not in r]
+        failed = sum(len(runs) for _, runs, _ in rounds_) - len(ok)
+        one = [alone["tokens"] / alone["seconds"] for alone, _, _ in rounds_]
+        agg = [sum(r["tokens"] for r in runs if "error" not in r) / wall for _, runs, wall in rounds_]
         ttft = np.array([r["ttft"] for r in ok]) * 1e3
         itl = np.concatenate([r["itl"] for r in ok]) * 1e3 if ok else np.zeros(1)
-        out = {"clients": clients, "tokens": tokens, "slots": slots, "failed": failed, "one_client_tok_s": one_tok_s,
-               "aggregate_tok_s": agg, "scaling": agg / one_tok_s, "ttft_ms": {"p50": float(np.percentile(ttft, 50)),
-               "p99": float(np.percentile(ttft, 99))}, "itl_ms": {"p50": float(np.percentile(itl, 50)),
-               "p99": float(np.percentile(itl, 99))}}
+        alone_ttft = np.median([alone["ttft"] for alone, _, _ in rounds_]) * 1e3
+        alone_itl = np.median(np.concatenate([alone["itl"] for alone, _, _ in rounds_])) * 1e3
+        out = {"clients": clients, "tokens": tokens, "slots": slots, "rounds": rounds, "failed": failed,
+               "one_client_tok_s": float(np.median(one)), "aggregate_tok_s": float(np.median(agg)),
+               "scaling": float(np.median(np.divide(agg, one))), "runs": {"one_client_tok_s": one, "aggregate_tok_s": agg},
+               "ttft_ms": {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99))},
+               "itl_ms": {"p50": float(np.percentile(itl, 50)), "p99": float(np.percentile(itl, 99))}}
         if sequential and proc is not None:
             rss = {}
             for i in range(sequential):
@@ -123,11 +133,12 @@ def main(url, model, slots, threads, clients, tokens, sequential, api_key, json_
             out["rss_growth"] = rss[sequential] / rss[min(50, sequential)] - 1
         click.echo("| test | clients | tokens each | failed | tok/s | x one client | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
         click.echo("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        click.echo(f"| one client | 1 | {tokens} | 0 | {one_tok_s:.1f} | 1.00 | {alone['ttft'] * 1e3:.1f} | "
-                   f"{np.median(alone['itl']) * 1e3:.1f} |")
-        click.echo(f"| concurrent | {clients} | {tokens} | {failed} | {agg:.1f} | {out['scaling']:.2f} | "
+        click.echo(f"| one client | 1 | {tokens} | 0 | {np.median(one):.1f} | 1.00 | {alone_ttft:.1f} | {alone_itl:.1f} |")
+        click.echo(f"| concurrent | {clients} | {tokens} | {failed} | {np.median(agg):.1f} | {out['scaling']:.2f} | "
                    f"{out['ttft_ms']['p50']:.1f} / {out['ttft_ms']['p99']:.1f} | "
                    f"{out['itl_ms']['p50']:.1f} / {out['itl_ms']['p99']:.1f} |")
+        click.echo(f"medians of {rounds} interleaved rounds; one client {min(one):.0f} to {max(one):.0f} tok/s, "
+                   f"{clients} clients {min(agg):.0f} to {max(agg):.0f}; x one client is the median of the rounds' ratios")
         if "rss_kib" in out:
             click.echo(f"resident memory after 50 requests {out['rss_kib'][min(50, sequential)] / 1024:.1f} MiB, after "
                        f"{sequential}: {out['rss_kib'][sequential] / 1024:.1f} MiB ({out['rss_growth']:+.1%})")
