@@ -575,28 +575,29 @@ def dense_down(out, acc, gu, down, kind, thr):
         lo, hi = c * F // C, (c + 1) * F // C
         y = acc[c]
         y[:] = 0.0
-        acts, ids = np.empty(max(T, 8), np.float32), np.empty(max(T, 8), np.int64)
-        n = 0
-        for i in range(lo, hi):
-            if T == 1:  # neurons wait until four add something
+        acts, ids = np.empty(max(T, 4), np.float32), np.empty(max(T, 4), np.int64)
+        if T == 1:  # neurons wait until four add something
+            n = 0
+            for i in range(lo, hi):
                 acts[n], ids[n] = activation(kind, gu[0, i], gu[0, F + i], thr), i
                 n += acts[n] != 0
                 if n == 4:
                     axpy4(y[0], acts[0], acts[1], acts[2], acts[3], down[ids[0]], down[ids[1]], down[ids[2]],
                           down[ids[3]])
                     n = 0
-                continue
-            m = 0  # the tokens whose activation is not 0
-            for t in range(T):
-                acts[m], ids[m] = activation(kind, gu[t, i], gu[t, F + i], thr), t
-                m += acts[m] != 0
-            for k in range(0, m - 3, 4):
-                axpy4t(y, ids[k], ids[k + 1], ids[k + 2], ids[k + 3], acts[k], acts[k + 1], acts[k + 2], acts[k + 3],
-                       down[i])
-            for k in range(m - m % 4, m):
-                axpy(y[ids[k]], acts[k], down[i])
-        for k in range(n):
-            axpy(y[0], acts[k], down[ids[k]])
+            for k in range(n):
+                axpy(y[0], acts[k], down[ids[k]])
+        else:
+            for i in range(lo, hi):
+                m = 0  # the tokens whose activation is not 0
+                for t in range(T):
+                    acts[m], ids[m] = activation(kind, gu[t, i], gu[t, F + i], thr), t
+                    m += acts[m] != 0
+                for k in range(0, m - 3, 4):
+                    axpy4t(y, ids[k], ids[k + 1], ids[k + 2], ids[k + 3], acts[k], acts[k + 1], acts[k + 2],
+                           acts[k + 3], down[i])
+                for k in range(m - m % 4, m):
+                    axpy(y[ids[k]], acts[k], down[i])
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
@@ -612,7 +613,7 @@ def activations(a, gu, kind, thr):
 @njit(cache=True, nogil=True)
 def dense_ffn_block(out, acc, h, ffn_norm, ffn_norm_b, gate_up, down, bd, kind, thr, eps):
     """out = dense_down(matmul(norm(h), gate_up)) + bd for one token, as one compiled call.  out, h: [D]; acc: [C, D];
-    gate_up: [2F, D] (interleaved groups, fast.quant.INTERLEAVED); down: [F, D]."""
+    gate_up: [2F, D] (interleaved groups where its rows allow, fast.quant.for_matmul); down: [F, D]."""
     D = h.size
     x = np.empty((1, D), np.float32)
     norm(x, h.reshape((1, D)), ffn_norm, ffn_norm_b, eps)
