@@ -184,6 +184,7 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
 def dense_down(out, acc, gu, down, kind, thr):
     """Same contract as fast.cpu.dense_down (acc unused): the down rows decoded once, then one GEMM,
     out = a(g, u) Wd."""
-    a = np.empty((gu.shape[0], down.shape[0]), F32)  # [T, F]
-    cpu.activations(a, gu, kind, thr)
+    T, F = gu.shape[0], down.shape[0]
+    a = np.empty((T, F), F32)
+    cpu.masked_activation(a, gu[:, :F], gu[:, F:], np.ones((T, F), np.uint8), kind, thr)  # every pair
     gemm(out, a, dense(down))

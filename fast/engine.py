@@ -463,7 +463,7 @@ def dense_ffn(engine: Engine) -> Engine:
     one by one did not), its bundles reduced to the down rows. TinyLlama's FFN, q4_0, 2 threads: 28 -> 18 ms a
     token. Float formats and non-gated FFNs keep their bundles (their row products are as fast); apply_predictors
     bundles the rows again."""
-    if not any(engine.format.dtype == FORMATS[n].dtype for n in ("q8_0", "q4_0")):
+    if not engine.format.quantized:
         return engine
     for L in engine.layers:
         if L.gate_up is None and L.bundle.shape[1] == 3:
