@@ -24,8 +24,7 @@ import numba
 import numpy as np
 
 from fast import cpu
-from fast.quant import base_format
-from ref.quant import format_of_blocks
+from fast.quant import base_format, item_elements
 
 F32 = np.float32
 MIN_TOKENS = 32  # tokens from which a step's products run here (measured crossover: between 8 and 64)
@@ -77,7 +76,7 @@ def dense(w: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
         return w if ids is None else w[ids]
     w3 = w.reshape(w.shape[0], -1, w.shape[-1])  # [N, P, K / block]
     ids = np.arange(w.shape[0], dtype=np.int32) if ids is None else ids
-    out = np.empty((len(ids), w3.shape[1], w.shape[-1] * format_of_blocks(w.dtype).block), F32)  # [n, P, K]
+    out = np.empty((len(ids), w3.shape[1], w.shape[-1] * item_elements(w.dtype)), F32)  # [n, P, K]
     cpu.gather_values(out, w3, ids, len(ids))
     return out.reshape((len(ids), *w.shape[1:-1], out.shape[-1]))
 

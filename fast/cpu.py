@@ -447,7 +447,8 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     Four neurons stream at once, one from each quarter of the chunk (STREAMS), in passes over their gate rows, up
     rows and down rows so that each stream reads its bundles front to back: +3 % over all neurons and +6 % over a
     10 % set against gate and up in one pass. A lane whose next neuron is not adjacent prefetches the first line of
-    its rows, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent ones: -3 %).
+    its rows but the down row, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent
+    ones: -3 %; the down row too: -6 % where half the neurons fire).
     A neuron whose activation is 0 (ReLU's zeros in a dense FFN, a predicted neuron that does not fire) adds
     nothing, so its down row is not read: the others wait until four can be read at once.
     """
@@ -470,7 +471,7 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
                 for k in range(4):
                     nxt = active[j + 1 + k * q]
                     if nxt != active[j + k * q] + 1:
-                        for part in range(P):
+                        for part in range(P - 1):  # not the down row, read only where the neuron fires
                             for off in range(0, span, 64):
                                 prefetch(bundle, (nxt * P + part) * bundle.shape[2], off)
             b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [P, D] each

@@ -21,7 +21,7 @@ from numba.typed import List
 from threadpoolctl import threadpool_limits
 
 from fast import blas, cpu
-from fast.quant import for_matmul, n_rows, plain
+from fast.quant import for_matmul, for_sparse, n_rows, plain
 from ref import sparse
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch, KVCache, advance, check_batch
@@ -62,7 +62,7 @@ class Layer:
     wo: np.ndarray  # [D, H E]
     ffn_norm: np.ndarray  # [D] (EMPTY where the FFN shares attention's)
     bundle: np.ndarray  # [F, 3, D]: row i = (gate_i, up_i, down[:, i]); non-gated [F, 2, D]: (up_i, down[:, i]);
-    # in the dense layout (dense_ffn) [F, 1, D], the down rows only
+    # q8_0 / q4_0 rows in runs (for_sparse); in the dense layout (dense_ffn) [F, 1, D], the down rows only, as blocks
     attn_norm_b: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] LayerNorm's bias
     bqkv: np.ndarray = field(default_factory=lambda: EMPTY)  # [(H + 2K) E]
     bo: np.ndarray = field(default_factory=lambda: EMPTY)  # [D]
@@ -111,7 +111,7 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
     for i, name in enumerate(rows):
         bundle[:, i] = mat(name)
     bundle[:, -1] = as_format(w[p + "wd"].T, fmt)
-    return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt), vec("ffn_norm"), bundle,
+    return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt), vec("ffn_norm"), for_sparse(bundle),
                  vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"))
 
 
@@ -446,7 +446,7 @@ def convert(engine: Engine, fmt: Format) -> Engine:
     both formats at most."""
     for L in engine.layers:
         L.wqkv, L.wo = as_matmul(L.wqkv, fmt), as_matmul(L.wo, fmt)
-        L.bundle = as_format(L.bundle, fmt)
+        L.bundle = for_sparse(as_format(L.bundle, fmt))
         L.gate_up = None if L.gate_up is None else as_matmul(L.gate_up, fmt)
     tied = engine.lm_head is engine.embed
     engine.embed = as_format(engine.embed, fmt)
@@ -467,8 +467,9 @@ def dense_ffn(engine: Engine) -> Engine:
         return engine
     for L in engine.layers:
         if L.gate_up is None and L.bundle.shape[1] == 3:
-            L.gate_up = for_matmul(np.concatenate([L.bundle[:, 0], L.bundle[:, 1]]))
-            L.bundle = np.ascontiguousarray(L.bundle[:, 2:])
+            rows = plain(L.bundle)  # [F, 3, B]
+            L.gate_up = for_matmul(np.concatenate([rows[:, 0], rows[:, 1]]))
+            L.bundle = np.ascontiguousarray(rows[:, 2:])
     return engine
 
 
@@ -478,7 +479,7 @@ def bundled(engine: Engine) -> Engine:
     for L in engine.layers:
         if L.gate_up is not None:
             gu = plain(L.gate_up)  # [2F, D]
-            L.bundle = np.stack([gu[:F], gu[F:], L.bundle[:, 0]], axis=1)
+            L.bundle = for_sparse(np.stack([gu[:F], gu[F:], L.bundle[:, 0]], axis=1))
             L.gate_up = None
     return engine
 

@@ -7,7 +7,7 @@ One table (SHAPES) serves the CPU kernels and the GPU kernels, which mirror the 
 import numpy as np
 
 from fast.cpu import KINDS
-from fast.quant import INTERLEAVED, ROWS, interleave
+from fast.quant import INTERLEAVED, ROWS, for_sparse, interleave, run_format
 from ref.model import attention as ref_attention
 from ref.model import ffn_activation
 from ref.quant import blocks, input_values, quantize, values
@@ -117,10 +117,14 @@ def case_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=Fals
                                          1e-5), out)[1], want)
 
 
-def ffn_weights(rng, F, D, fmt, gated):
-    """A neuron bundle in a format's storage ([F, 3, D] gated, [F, 2, D] not; rows scaled so activations stay O(1)),
-    the non-gated up rows' bias, and ref.sparse.sparse_ffn of one token x over a set."""
+def ffn_weights(rng, F, D, fmt, gated, runs=False):
+    """A neuron bundle in a format's storage ([F, 3, D] gated, [F, 2, D] not; rows scaled so activations stay O(1);
+    q8_0 / q4_0 rows in runs where asked, as the engine lays them out: fast.quant.for_sparse), the non-gated up rows'
+    bias, and ref.sparse.sparse_ffn of one token x over a set."""
     bundle, bv, read = stored(randn(rng, F, 3 if gated else 2, D, scale=0.5), fmt)
+    if runs:
+        bundle = for_sparse(bundle)
+        assert run_format(bundle.dtype) is not None
     bu = EMPTY if gated else randn(rng, F, scale=0.5)
 
     def want(x, active, kind):
@@ -129,19 +133,19 @@ def ffn_weights(rng, F, D, fmt, gated):
     return bundle, bu, want
 
 
-def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32", gated=True):
+def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32", gated=True, runs=False):
     x = randn(rng, D)
-    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated, runs)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
     return (lambda k: (k.sparse_ffn(out, acc, x, bundle, bu, active, n_active, KINDS[kind], F32(0.1)), out)[1],
             want(x, active, kind))
 
 
-def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, full=False, gated=True):
+def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, full=False, gated=True, runs=False):
     """T tokens, each with its own predicted set (one empty, one full where asked), over the union of the sets."""
     x = randn(rng, T, D)
-    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated, runs)
     sets = [np.sort(rng.choice(F, rng.integers(0, F + 1), replace=False)).astype(np.int32) for _ in range(T)]
     if empty:
         sets[0] = np.empty(0, np.int32)
@@ -157,10 +161,10 @@ def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, 
             np.stack([want(x[t], sets[t], kind) for t in range(T)]))
 
 
-def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32", norm="rms", gated=True):
+def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32", norm="rms", gated=True, runs=False):
     h = randn(rng, D, scale=3)
     w, b, normed = norm_weights(rng, D, norm)
-    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated, runs)
     bd = EMPTY if gated else randn(rng, D)
     active = np.sort(rng.choice(F, n_active, replace=False)).astype(np.int32)
     out, acc = np.empty(D, F32), np.empty((chunks, D), F32)
@@ -303,6 +307,16 @@ SHAPES = [
         ("sparse_ffn_batch", dict(T=7, F=30, D=64, kind="relu")),  # neurons of 4 + 2 + 1 tokens (dot2t, axpy2t)
         ("sparse_ffn", dict(F=30, D=64, n_active=11, kind="relu", gated=False)),
         ("attention_block", dict(T=2, S=7, H=4, K=1, E=8, D=64)))],
+    # bundles of rows in runs of 8 blocks (fast.quant.RUNS, as the engine lays out q8_0 and q4_0 bundles): one run and
+    # two, neurons four lanes at a time and a tail, empty and full sets, tokens 4 + 2 + 1 at a time
+    *[(name, {**shape, "fmt": fmt, "runs": True}, False) for fmt in ("q8_0", "q4_0") for name, shape in (
+        ("sparse_ffn", dict(F=100, D=256, n_active=37, kind="relu")), ("sparse_ffn", dict(F=20, D=512, n_active=0, kind="relu")),
+        ("sparse_ffn", dict(F=9, D=256, n_active=6, kind="drelu", chunks=7)),
+        ("sparse_ffn", dict(F=12, D=512, n_active=12, kind="silu")),
+        ("sparse_ffn", dict(F=30, D=512, n_active=11, kind="relu", gated=False)),
+        ("ffn_block", dict(F=50, D=256, n_active=13, kind="fatrelu")),
+        ("sparse_ffn_batch", dict(T=7, F=30, D=256, kind="relu", empty=True, full=True)),
+        ("sparse_ffn_batch", dict(T=5, F=20, D=512, kind="relu", gated=False)))],
     # their rows interleaved in groups of 8: one group, groups four streams at a time and tails, 4+ tokens
     *[("matmul", {**shape, "fmt": fmt, "interleaved": True}, False) for fmt in ("q8_0", "q4_0") for shape in (
         dict(T=1, N=8, K=32), dict(T=2, N=64, K=96), dict(T=3, N=520, K=64), dict(T=9, N=40, K=64))],

@@ -46,21 +46,29 @@ def test_cached_kernels_are_dropped_when_the_row_operations_change(tmp_path, mon
     assert not kernel.exists() and other.exists()
 
 
+def with_isa(monkeypatch, isa):
+    """fast.quant generating its integer products for `isa` (read when the intrinsics generate code: callers compiled
+    afterwards use it); skips where this CPU cannot run it."""
+    import llvmlite.binding as llvm
+
+    from fast import quant
+    feats = llvm.get_host_cpu_features()
+    if isa == "vnni" and not (feats.get("avxvnni") or feats.get("avx512vnni")) or isa == "avx2" and not feats.get("avx2"):
+        pytest.skip(f"this CPU cannot run {isa}")
+    monkeypatch.setattr(quant, "ISA", isa)
+    return quant
+
+
 @pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_block_dot_products_in_every_isa(monkeypatch, isa, fmt):
     """The block dot products' IR for each instruction set this machine can run (the kernels use the best one; a
     machine without VNNI or without AVX2 runs the others): one token and four tokens against ref's values."""
-    import llvmlite.binding as llvm
     import numpy as np
     from numba import njit
 
-    from fast import quant
     from ref.quant import blocks, input_values, quantize, values
-    feats = llvm.get_host_cpu_features()
-    if isa == "vnni" and not (feats.get("avxvnni") or feats.get("avx512vnni")) or isa == "avx2" and not feats.get("avx2"):
-        pytest.skip(f"this CPU cannot run {isa}")
-    monkeypatch.setattr(quant, "ISA", isa)  # read when the intrinsics generate code: compile fresh callers below
+    quant = with_isa(monkeypatch, isa)
 
     @njit
     def one(w, x):
@@ -86,16 +94,11 @@ def test_block_dot_products_in_every_isa(monkeypatch, isa, fmt):
 def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
     """The interleaved groups' dot products (vpdpbusd, or its plain-IR form without VNNI): one group, four groups at
     once, and one group against four tokens, against ref's values."""
-    import llvmlite.binding as llvm
     import numpy as np
     from numba import njit
 
-    from fast import quant
     from ref.quant import blocks, input_values, quantize, values
-    feats = llvm.get_host_cpu_features()
-    if isa == "vnni" and not (feats.get("avxvnni") or feats.get("avx512vnni")) or isa == "avx2" and not feats.get("avx2"):
-        pytest.skip(f"this CPU cannot run {isa}")
-    monkeypatch.setattr(quant, "ISA", isa)
+    quant = with_isa(monkeypatch, isa)
 
     @njit
     def one(w, x):
@@ -122,6 +125,68 @@ def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
     order = np.concatenate([np.arange(8) + 8 * g for g in (3, 0, 2, 1)])
     np.testing.assert_allclose(four(w, x[:1]), want[order, 0], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(tokens(w, x), want[16:24][:, [4, 0, 2, 1]].T.ravel(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_run_dot_products_in_every_isa(monkeypatch, isa, fmt):
+    """Rows in runs (fast.quant.RUNS: lanes are blocks): one row, four rows at once, one row against four and two
+    tokens, against ref's values; the token laid out by quantize_input as the runs read it."""
+    import numpy as np
+    from numba import njit
+
+    from ref.quant import blocks, input_values, quantize, values
+    quant = with_isa(monkeypatch, isa)
+
+    @njit
+    def products(w, x):
+        xq, xd, xs = quant.quantize_input(x, w)
+        reach = np.int64(w.shape[1])
+        one = quant.run_dot(w[1], xq[0], xd[0], xs[0], reach)
+        four = quant.run_dot4(w[3], w[0], w[2], w[1], xq[0], xd[0], xs[0], reach)
+        tokens = quant.run_dot4t(w[2], xq, xd, xs, reach, np.int64(4), np.int64(0), np.int64(2), np.int64(1))
+        two = quant.run_dot2t(w[0], xq, xd, xs, reach, np.int64(3), np.int64(0))
+        return one, four, tokens, two
+
+    rng = np.random.default_rng(9)
+    t = quantize(rng.standard_normal((4, 32 * 24)).astype(np.float32), fmt)  # 4 rows of 3 runs
+    w = quant.to_runs(blocks(t))
+    x = rng.standard_normal((5, 32 * 24)).astype(np.float32) * 3
+    want = values(blocks(t)).astype(np.float64) @ input_values(x, t).astype(np.float64).T  # [4, 5]
+    one, four, tokens, two = products(w, x)
+    np.testing.assert_allclose(one, want[1, 0], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(four, want[[3, 0, 2, 1], 0], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(tokens, want[2, [4, 0, 2, 1]], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(two, want[0, [3, 0]], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_runs_are_blocks_rearranged(fmt):
+    """plain undoes to_runs byte for byte, and the row operations read runs as the blocks they hold: each axpy as
+    on the blocks (the same products; LLVM may fuse them into FMAs differently, hence to a few ulps)."""
+    import numpy as np
+    from numba import njit
+
+    from fast import quant
+    from ref.quant import blocks, quantize
+    rng = np.random.default_rng(10)
+    b = blocks(quantize(rng.standard_normal((4, 32 * 16)).astype(np.float32), fmt))  # 4 rows of 2 runs
+    r = quant.to_runs(b)
+    assert r.shape == (4, 2) and r.nbytes == b.nbytes
+    assert quant.plain(r).tobytes() == b.tobytes()
+    assert quant.for_sparse(b.reshape(2, 2, 16)).dtype == r.dtype and quant.for_sparse(b[:, :12]).dtype == b.dtype
+
+    @njit
+    def axpys(w, n):
+        y = np.zeros((3, n), np.float32)
+        a = np.float32(0.7)
+        quant.axpy(y[0], a, w[0])
+        quant.axpy4(y[1], a, np.float32(-1.5), np.float32(2.0), a, w[0], w[1], w[2], w[3])
+        quant.axpy4t(y, np.int64(2), np.int64(0), np.int64(1), np.int64(2), a, a, np.float32(3.0), np.float32(-2.0), w[3])
+        quant.axpy2t(y, np.int64(0), np.int64(1), np.float32(0.25), a, w[2])
+        return y
+
+    np.testing.assert_allclose(axpys(r, 512), axpys(b, 512), rtol=1e-6, atol=1e-6)
 
 
 def test_exp_le0_is_exp_to_an_ulp():
