@@ -418,13 +418,14 @@ activation = njit(inline="always")(activation_py)
 
 @njit(fastmath=FASTMATH, inline="always")
 def sum_chunks(out, acc):
-    """out = sum over chunks of acc, in chunk order (the serial reduction after the workers).  out: [N]; acc: [C, N]."""
+    """out = sum over chunks of acc, in chunk order (the serial reduction after the workers).  out: [N]; acc: [C, N].
+    Chunk by chunk, so that the loop over N vectorises: element by element it ran [4, 8 x 2048] in 65 us."""
     C, N = acc.shape
     for n in range(N):
-        s = np.float32(0.0)
-        for c in range(C):
-            s += acc[c, n]
-        out[n] = s
+        out[n] = acc[0, n]
+    for c in range(1, C):
+        for n in range(N):
+            out[n] += acc[c, n]
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -516,6 +517,7 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
     C, T, D = acc.shape
     P = bundle.shape[1]
     xq, xd, xs = quantize_input(x, bundle)
+    span = prefetch_span(bundle)
     for c in prange(C):
         lo, hi = c * n_active // C, (c + 1) * n_active // C
         y = acc[c]
@@ -524,10 +526,17 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
         for j in range(lo, hi):
             i = active[j]
             b = bundle[i]
+            if j + 1 < hi:  # the next neuron's rows but its down row
+                for part in range(P - 1):
+                    for off in range(0, span, 64):
+                        prefetch(bundle, (active[j + 1] * P + part) * bundle.shape[2], off)
             n = 0
             for t in range(T):
                 tokens[n] = t
                 n += mask[t, j] != 0
+            if n > 1:  # its down row too, while its dot products run: one of several tokens likely fires
+                for off in range(0, span, 64):
+                    prefetch(bundle, (i * P + P - 1) * bundle.shape[2], off)
             bi = bias[i] if bias.size else np.float32(0.0)
             one = np.float32(1.0)
             for k in range(0, n - 3, 4):  # gate and up rows read once for four tokens
