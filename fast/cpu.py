@@ -30,7 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x4, dot, dot2t,
-                        dot4, dot4t, interleaved, is_float, load, n_rows, prefetch_span, q8_0_round, q8_0_scale,
+                        dot4, dot4t, f16_round, interleaved, is_float, load, n_rows, prefetch_span, q8_0_block,
                         quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
@@ -400,6 +400,15 @@ def prefetch(typingctx, a, i, offset):
     return types.void(a, i, offset), codegen
 
 
+@njit(inline="always")
+def prefetch_rows(bundle, i, first, last, span):
+    """Hint the first `span` bytes of rows first..last - 1 of neuron i's bundle (bundle: [F, P, n])."""
+    P = bundle.shape[1]
+    for part in range(first, last):
+        for off in range(0, span, 64):
+            prefetch(bundle, (i * P + part) * bundle.shape[2], off)
+
+
 def activation_py(kind, g, u, thr):
     """a(g, u) of ref.model.ffn_activation for one neuron; compiled for the CPU here and for the GPU in fast.gpu."""
     if kind == 0:
@@ -471,10 +480,8 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
             if j + 1 < lo + q:  # each lane's next bundle, unless it is the adjacent one
                 for k in range(4):
                     nxt = active[j + 1 + k * q]
-                    if nxt != active[j + k * q] + 1:
-                        for part in range(P - 1):  # not the down row, read only where the neuron fires
-                            for off in range(0, span, 64):
-                                prefetch(bundle, (nxt * P + part) * bundle.shape[2], off)
+                    if nxt != active[j + k * q] + 1:  # not the down row, read only where the neuron fires
+                        prefetch_rows(bundle, nxt, 0, P - 1, span)
             b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [P, D] each
             g0, g1, g2, g3 = dot4(b0[0], b1[0], b2[0], b3[0], x, xq0, xd0, xs0)
             if bias.size:
@@ -527,16 +534,13 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
             i = active[j]
             b = bundle[i]
             if j + 1 < hi:  # the next neuron's rows but its down row
-                for part in range(P - 1):
-                    for off in range(0, span, 64):
-                        prefetch(bundle, (active[j + 1] * P + part) * bundle.shape[2], off)
+                prefetch_rows(bundle, active[j + 1], 0, P - 1, span)
             n = 0
             for t in range(T):
                 tokens[n] = t
                 n += mask[t, j] != 0
             if n > 1:  # its down row too, while its dot products run: one of several tokens likely fires
-                for off in range(0, span, 64):
-                    prefetch(bundle, (i * P + P - 1) * bundle.shape[2], off)
+                prefetch_rows(bundle, i, P - 1, P, span)
             bi = bias[i] if bias.size else np.float32(0.0)
             one = np.float32(1.0)
             for k in range(0, n - 3, 4):  # gate and up rows read once for four tokens
@@ -640,13 +644,14 @@ def gather_values(out, w, ids, n):
 @njit(parallel=True, cache=True, nogil=True)
 def round_q8_0(out, x):
     """out = x rounded to Q8_0 blocks along its rows (ref.quant.quantize_q8_0, then its values; fast.quant's
-    quantize_input rounds the same way): what a q8_0 or q4_0 product reads.  out, x: [T, K]."""
+    quantize_input rounds with the same q8_0_block): what a q8_0 or q4_0 product reads.  out, x: [T, K]."""
     T, K = x.shape
     for t in prange(T):
+        row, q = np.ascontiguousarray(x[t]), np.empty(BLOCK, np.int8)
         for b in range(K // BLOCK):
-            inv, d = q8_0_scale(x[t], b)
-            for i in range(b * BLOCK, (b + 1) * BLOCK):
-                out[t, i] = q8_0_round(x[t, i] * inv) * d
+            d = f16_round(q8_0_block(q, np.int64(0), np.int64(4), row, np.int64(b * BLOCK))[0])
+            for i in range(BLOCK):
+                out[t, b * BLOCK + i] = np.float32(q[i]) * d
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)

@@ -22,7 +22,7 @@ Dimensions: T tokens, K row length, B = K / 32 blocks per row.
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.extending import intrinsic, overload
@@ -747,22 +747,6 @@ def q8_0_block(typingctx, q, start, stride, v, first):
 
 
 # ---------------------------------------------------------------------------------------------------- the row operations
-
-@njit(inline="always")
-def q8_0_scale(x, b):
-    """(1 / d, d as stored: fp16) of block b of row x: ref.quant.quantize_q8_0's d = amax / 127."""
-    amax = np.float32(0.0)
-    for i in range(b * BLOCK, (b + 1) * BLOCK):
-        amax = max(amax, abs(x[i]))
-    d = amax / np.float32(127)
-    return (np.float32(1.0) / d if d != 0 else np.float32(0.0)), f16_round(d)
-
-
-@njit(inline="always")
-def q8_0_round(v):
-    """roundf(v), halves away from zero: a Q8_0 quant of v = x / d."""
-    return np.floor(abs(v) + np.float32(0.5)) * (1 if v >= 0 else -1)
-
 
 def quantize_input(x, w):
     """(xq [T, K] int8, xd [T, B] float32, xs [T, B, 8] int32): x [T, K] as products with w read it (empty for
