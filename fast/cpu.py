@@ -157,24 +157,39 @@ def matmul(out, x, w):
 
 
 @njit(fastmath=FASTMATH, inline="always")
-def tile4x4(out, x, w, n, t):
-    """out[t:t + 4, n:n + 4] = x[t:t + 4] @ w[n:n + 4].T for a float format's rows: each row element and token element
-    loaded once for 4 products (a row against one token at a time loads 5 vectors per 4 FMAs). [8, 2048] x
-    [5632, 2048], 2 threads: f32 63 -> 127 GFLOPS, f16 94 -> 156; 16 tokens: 93 -> 158, 99 -> 161."""
-    w0, w1, w2, w3, x0, x1, x2, x3 = w[n], w[n + 1], w[n + 2], w[n + 3], x[t], x[t + 1], x[t + 2], x[t + 3]
+def dot4x4(w0, w1, w2, w3, x0, x1, x2, x3):
+    """The 16 products w_n . x_t of four float-format rows and four tokens, in the order n = 0 (t = 0..3), n = 1, ...:
+    each row element and token element loaded once for 4 products (a row against one token at a time loads 5 vectors
+    per 4 FMAs). Unpack the result by name: a tuple indexed in a loop leaves registers (4x slower)."""
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
-    for k in range(x.shape[1]):
+    for k in range(x0.shape[0]):
         v0, v1, v2, v3 = load(w0, k), load(w1, k), load(w2, k), load(w3, k)
         y0, y1, y2, y3 = x0[k], x1[k], x2[k], x3[k]
         a00 += v0 * y0; a01 += v0 * y1; a02 += v0 * y2; a03 += v0 * y3
         a10 += v1 * y0; a11 += v1 * y1; a12 += v1 * y2; a13 += v1 * y3
         a20 += v2 * y0; a21 += v2 * y1; a22 += v2 * y2; a23 += v2 * y3
         a30 += v3 * y0; a31 += v3 * y1; a32 += v3 * y2; a33 += v3 * y3
+    return a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def tile4x4(out, x, w, n, t):
+    """out[t:t + 4, n:n + 4] = x[t:t + 4] @ w[n:n + 4].T for a float format's rows (dot4x4). [8, 2048] x
+    [5632, 2048], 2 threads: f32 63 -> 127 GFLOPS, f16 94 -> 156; 16 tokens: 93 -> 158, 99 -> 161."""
+    a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33 = dot4x4(
+        w[n], w[n + 1], w[n + 2], w[n + 3], x[t], x[t + 1], x[t + 2], x[t + 3])
     out[t, n], out[t + 1, n], out[t + 2, n], out[t + 3, n] = a00, a01, a02, a03
     out[t, n + 1], out[t + 1, n + 1], out[t + 2, n + 1], out[t + 3, n + 1] = a10, a11, a12, a13
     out[t, n + 2], out[t + 1, n + 2], out[t + 2, n + 2], out[t + 3, n + 2] = a20, a21, a22, a23
     out[t, n + 3], out[t + 1, n + 3], out[t + 2, n + 3], out[t + 3, n + 3] = a30, a31, a32, a33
+
+
+@njit(inline="always")
+def put16(out, v):
+    """out[:16] = the 16-tuple v, unpacked by name (see dot4x4)."""
+    out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7] = v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
+    out[8], out[9], out[10], out[11], out[12], out[13], out[14], out[15] = v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -512,67 +527,177 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     sum_chunks(out, acc)
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def axpy4x4(y, t, a, w0, w1, w2, w3):
+    """y[t + k] += sum_n a[4 n + k] w_n for four tokens and four float32 rows (a: dot4x4's order): each row element
+    loaded once for four tokens and each output element once for four rows (a row at a time into four tokens, axpy4t,
+    loads and stores the four outputs per row).  y: [T, D]."""
+    a00, a01, a02, a03, a10, a11, a12, a13 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+    a20, a21, a22, a23, a30, a31, a32, a33 = a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]
+    y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
+    for d in range(y.shape[1]):
+        v0, v1, v2, v3 = w0[d], w1[d], w2[d], w3[d]
+        y0[d] += a00 * v0 + a10 * v1 + a20 * v2 + a30 * v3
+        y1[d] += a01 * v0 + a11 * v1 + a21 * v2 + a31 * v3
+        y2[d] += a02 * v0 + a12 * v1 + a22 * v2 + a32 * v3
+        y3[d] += a03 * v0 + a13 * v1 + a23 * v2 + a33 * v3
+
+
+TILE_SHARE = 0.45  # pairs of (token, union neuron) computed, from which a float format's batch FFN runs in tiles
+
+
+def ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
+    """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), in tiles of four
+    neurons by four tokens: every token's gate and up products (dot4x4), the activations of those outside a token's
+    set zeroed, and the four down rows (decoded once to float32) added for the four tokens at once (axpy4x4). Float
+    formats only."""
+
+
+@overload(ffn_tiles)
+def _ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
+    if not is_float(bundle):
+        return lambda y, x, bundle, bias, active, lo, hi, mask, kind, thr: None
+
+    def tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
+        T, P, D = x.shape[0], bundle.shape[1], x.shape[1]
+        a = np.zeros(16, np.float32)  # a[4 n + k]: neuron n of the four, token k of the four
+        g, u = np.empty(16, np.float32), np.ones(16, np.float32)  # gate and up products (u: 1 where there is none)
+        down = np.empty((4, D), np.float32)  # the four down rows as float32, decoded once for all tokens
+        for j in range(lo, hi - 3, 4):
+            i0, i1, i2, i3 = active[j], active[j + 1], active[j + 2], active[j + 3]
+            b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]
+            for n in range(4):
+                row = bundle[active[j + n], P - 1]
+                for d in range(D):
+                    down[n, d] = load(row, d)
+            for t in range(0, T, 4):
+                k4 = min(4, T - t)  # tokens in this group: four, or the tail
+                if not mask[t:t + k4, j:j + 4].any():
+                    continue
+                if k4 == 4:
+                    put16(g, dot4x4(b0[0], b1[0], b2[0], b3[0], x[t], x[t + 1], x[t + 2], x[t + 3]))
+                    if P == 3:
+                        put16(u, dot4x4(b0[1], b1[1], b2[1], b3[1], x[t], x[t + 1], x[t + 2], x[t + 3]))
+                    for n in range(4):
+                        bn = bias[active[j + n]] if bias.size else np.float32(0.0)
+                        for k in range(4):
+                            a[4 * n + k] = activation(kind, g[4 * n + k] + bn, u[4 * n + k], thr) if mask[t + k, j + n] \
+                                else np.float32(0.0)
+                else:  # tail tokens: the four neurons at once against each
+                    for k in range(k4):
+                        xk = x[t + k]
+                        g[0], g[1], g[2], g[3] = dot4(b0[0], b1[0], b2[0], b3[0], xk, xk, xk, xk)
+                        if P == 3:
+                            u[0], u[1], u[2], u[3] = dot4(b0[1], b1[1], b2[1], b3[1], xk, xk, xk, xk)
+                        for n in range(4):
+                            bn = bias[active[j + n]] if bias.size else np.float32(0.0)
+                            a[4 * n + k] = activation(kind, g[n] + bn, u[n], thr) if mask[t + k, j + n] else np.float32(0.0)
+                if k4 == 4:
+                    axpy4x4(y, t, a, down[0], down[1], down[2], down[3])
+                else:
+                    for k in range(k4):
+                        axpy4(y[t + k], a[k], a[4 + k], a[8 + k], a[12 + k], down[0], down[1], down[2], down[3])
+        for j in range(hi - (hi - lo) % 4, hi):  # fewer than four neurons left: a token at a time
+            b = bundle[active[j]]
+            for t in range(T):
+                if mask[t, j]:
+                    gj, uj = pre_activations(b, bias, active[j], x[t], x[t], x[t], x[t])
+                    axpy(y[t], activation(kind, gj, uj, thr), b[P - 1])
+
+    return tiles
+
+
+def tiled(bundle):
+    """Whether sparse_ffn_batch may run a bundle's rows in tiles (ffn_tiles): float formats."""
+
+
+@overload(tiled)
+def _tiled(bundle):
+    return (lambda bundle: True) if is_float(bundle) else (lambda bundle: False)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, span):
+    """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), a neuron at a
+    time: its tokens four at a time (dot4t, axpy4t: each row element loaded once for four tokens); a single token's
+    neuron whose activation is 0 skips its down row."""
+    T, P = x.shape[0], bundle.shape[1]
+    tokens, acts = np.empty(T, np.int64), np.empty(T, np.float32)  # a neuron's tokens and their activations
+    for j in range(lo, hi):
+        i = active[j]
+        b = bundle[i]
+        if j + 1 < hi:  # the next neuron's rows but its down row
+            prefetch_rows(bundle, active[j + 1], 0, P - 1, span)
+        n = 0
+        for t in range(T):
+            tokens[n] = t
+            n += mask[t, j] != 0
+        if n > 1:  # its down row too, while its dot products run: one of several tokens likely fires
+            prefetch_rows(bundle, i, P - 1, P, span)
+        bi = bias[i] if bias.size else np.float32(0.0)
+        one = np.float32(1.0)
+        for k in range(0, n - 3, 4):  # gate and up rows read once for four tokens
+            t0, t1, t2, t3 = tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3]
+            g0, g1, g2, g3 = dot4t(b[0], x, xq, xd, xs, t0, t1, t2, t3)
+            u0, u1, u2, u3 = dot4t(b[1], x, xq, xd, xs, t0, t1, t2, t3) if P == 3 else (one, one, one, one)
+            acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
+            acts[k + 2], acts[k + 3] = activation(kind, g2 + bi, u2, thr), activation(kind, g3 + bi, u3, thr)
+        k = n - n % 4
+        if n - k >= 2:  # two more tokens: the power law's usual case at a few sequences
+            t0, t1 = tokens[k], tokens[k + 1]
+            g0, g1 = dot2t(b[0], x, xq, xd, xs, t0, t1)
+            u0, u1 = dot2t(b[1], x, xq, xd, xs, t0, t1) if P == 3 else (one, one)
+            acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
+            k += 2
+        if k < n:
+            t = tokens[k]
+            g, u = pre_activations(b, bias, i, x[t], xq[t], xd[t], xs[t])
+            acts[k] = activation(kind, g, u, thr)
+        m = 0  # the tokens whose activation is not 0: only they add the down row
+        for k in range(n):
+            tokens[m], acts[m] = tokens[k], acts[k]
+            m += acts[k] != 0
+        for k in range(0, m - 3, 4):  # the down row read once for four tokens
+            axpy4t(y, tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3], acts[k], acts[k + 1], acts[k + 2],
+                   acts[k + 3], b[P - 1])
+        k = m - m % 4
+        if m - k >= 2:
+            axpy2t(y, tokens[k], tokens[k + 1], acts[k], acts[k + 1], b[P - 1])
+            k += 2
+        if k < m:
+            axpy(y[tokens[k]], acts[k], b[P - 1])
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, thr):
     """out[t] = sum over j < n_active with mask[t, j] of a_tj down_i, i = active[j]: each token's sparse FFN
     over its own predicted set, the chunk's neurons (the union of the sets) each read once for all T tokens.
 
     out: [T, D]; acc: [C, T, D] per-chunk private accumulators; x: [T, D]; bundle, bias: as sparse_ffn's;
-    mask: [T, >= n_active] uint8 (token t computes union neuron j). A neuron's tokens go four at a time (dot4t,
-    axpy4t: each row element loaded once for four tokens); a single token's neuron whose activation is 0 skips its
-    down row."""
+    mask: [T, >= n_active] uint8 (token t computes union neuron j). A neuron at a time (ffn_neurons), or where a
+    float format's tokens compute TILE_SHARE of the union's pairs, in tiles of four neurons by four tokens
+    (ffn_tiles: every pair of a tile computed, the others' activations zeroed). The shipped model's 16-sequence
+    step, float16, 1 thread: its first layer (union all 1,024 neurons, 83 % of the pairs) 750 -> 430 us; a tile
+    pair costs about 25 ns there, a neuron's pair 55, hence TILE_SHARE (its other layers, 21 to 29 %: neurons)."""
     C, T, D = acc.shape
-    P = bundle.shape[1]
+    pairs = 0
+    if tiled(bundle) and T >= 4:
+        for t in range(T):
+            for j in range(n_active):
+                pairs += mask[t, j] != 0
+    tiles = tiled(bundle) and T >= 4 and pairs >= TILE_SHARE * T * n_active
+    quads = n_active // 4
     xq, xd, xs = quantize_input(x, bundle)
     span = prefetch_span(bundle)
     for c in prange(C):
-        lo, hi = c * n_active // C, (c + 1) * n_active // C
         y = acc[c]
         y[:] = 0.0
-        tokens, acts = np.empty(T, np.int64), np.empty(T, np.float32)  # a neuron's tokens and their activations
-        for j in range(lo, hi):
-            i = active[j]
-            b = bundle[i]
-            if j + 1 < hi:  # the next neuron's rows but its down row
-                prefetch_rows(bundle, active[j + 1], 0, P - 1, span)
-            n = 0
-            for t in range(T):
-                tokens[n] = t
-                n += mask[t, j] != 0
-            if n > 1:  # its down row too, while its dot products run: one of several tokens likely fires
-                prefetch_rows(bundle, i, P - 1, P, span)
-            bi = bias[i] if bias.size else np.float32(0.0)
-            one = np.float32(1.0)
-            for k in range(0, n - 3, 4):  # gate and up rows read once for four tokens
-                t0, t1, t2, t3 = tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3]
-                g0, g1, g2, g3 = dot4t(b[0], x, xq, xd, xs, t0, t1, t2, t3)
-                u0, u1, u2, u3 = dot4t(b[1], x, xq, xd, xs, t0, t1, t2, t3) if P == 3 else (one, one, one, one)
-                acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
-                acts[k + 2], acts[k + 3] = activation(kind, g2 + bi, u2, thr), activation(kind, g3 + bi, u3, thr)
-            k = n - n % 4
-            if n - k >= 2:  # two more tokens: the power law's usual case at a few sequences
-                t0, t1 = tokens[k], tokens[k + 1]
-                g0, g1 = dot2t(b[0], x, xq, xd, xs, t0, t1)
-                u0, u1 = dot2t(b[1], x, xq, xd, xs, t0, t1) if P == 3 else (one, one)
-                acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
-                k += 2
-            if k < n:
-                t = tokens[k]
-                g, u = pre_activations(b, bias, i, x[t], xq[t], xd[t], xs[t])
-                acts[k] = activation(kind, g, u, thr)
-            m = 0  # the tokens whose activation is not 0: only they add the down row
-            for k in range(n):
-                tokens[m], acts[m] = tokens[k], acts[k]
-                m += acts[k] != 0
-            for k in range(0, m - 3, 4):  # the down row read once for four tokens
-                axpy4t(y, tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3], acts[k], acts[k + 1], acts[k + 2],
-                       acts[k + 3], b[P - 1])
-            k = m - m % 4
-            if m - k >= 2:
-                axpy2t(y, tokens[k], tokens[k + 1], acts[k], acts[k + 1], b[P - 1])
-                k += 2
-            if k < m:
-                axpy(y[tokens[k]], acts[k], b[P - 1])
+        if tiles:  # chunks of whole tiles; the last takes the neurons left over
+            ffn_tiles(y, x, bundle, bias, active, c * quads // C * 4, (c + 1) * quads // C * 4 if c < C - 1 else n_active,
+                      mask, kind, thr)
+        else:
+            ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, c * n_active // C, (c + 1) * n_active // C, mask, kind,
+                        thr, span)
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
@@ -791,6 +916,26 @@ def predictor(out, hidden, h, fc1, fc2):
     matmul(hidden, h, fc1)
     relu_(hidden)
     matmul(out, hidden, fc2)
+
+
+@njit(cache=True, nogil=True)
+def union_mask(union, mask, picked):
+    """The union of T tokens' sets as sorted ids into union[:n], and mask[:, :n] = picked's columns of those ids;
+    returns n (Engine.active_sets: one call where numpy's any, flatnonzero and take were four; row by row, as picked
+    is laid out).  union: [>= F] int32; mask: [T, >= F] uint8; picked: [T, F] uint8 (token t computes neuron i)."""
+    T, F = picked.shape
+    hit = np.zeros(F, np.uint8)
+    for t in range(T):
+        for i in range(F):
+            hit[i] |= picked[t, i]
+    n = 0
+    for i in range(F):
+        union[n] = i
+        n += hit[i] != 0
+    for t in range(T):
+        for j in range(n):
+            mask[t, j] = picked[t, union[j]]
+    return n
 
 
 @njit(cache=True, nogil=True)

@@ -127,16 +127,15 @@ class Batch:
     def of(runs, cache: KVCache, last_only: bool = False) -> "Batch":
         """[(seq, ids), ...]: each sequence's next tokens after its cached positions, one run per sequence; with
         `last_only` the step returns each run's last logits only."""
-        tokens, seqs, positions, logits = [], [], [], []
-        for seq, ids in runs:
-            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-            start = int(cache.lengths[seq]) if 0 <= seq < cache.slots else 0
-            tokens.append(ids)
-            seqs.append(np.full(len(ids), seq, np.int64))
-            positions.append(np.arange(start, start + len(ids)))
-            logits.append(np.arange(len(ids)) == len(ids) - 1 if last_only else np.ones(len(ids), bool))
-        cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
-        return Batch(cat(tokens, np.int64), cat(seqs, np.int64), cat(positions, np.int64), cat(logits, bool))
+        runs = [(seq, np.asarray(ids, dtype=np.int64).reshape(-1)) for seq, ids in runs]
+        sizes = np.array([len(ids) for _, ids in runs], np.int64)  # [R] tokens per run
+        run = np.repeat(np.arange(len(runs)), sizes)  # [N] each row's run
+        place = np.arange(len(run)) - (np.cumsum(sizes) - sizes)[run]  # [N] each row's place in its run
+        seqs = np.array([seq for seq, _ in runs], np.int64)  # [R]
+        starts = np.array([cache.lengths[seq] if 0 <= seq < cache.slots else 0 for seq, _ in runs], np.int64)  # [R]
+        tokens = np.concatenate([ids for _, ids in runs]) if runs else np.zeros(0, np.int64)
+        logits = place == sizes[run] - 1 if last_only else np.ones(len(run), bool)
+        return Batch(tokens, seqs[run], starts[run] + place, logits)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -172,10 +171,16 @@ def check_batch(batch: Batch, cache: KVCache, cfg: ModelConfig) -> list[tuple[in
             raise UserError(f"sequence {seq} has two runs in one batch: a sequence's tokens must be consecutive rows")
         seen.add(seq)
         start = int(cache.lengths[seq])
-        if np.any(batch.positions[a:b] != np.arange(start, start + b - a)):
-            raise UserError(f"sequence {seq}: the batch's positions must continue its cached positions from {start}")
         if start + b - a > cache.capacity:
             raise UserError(f"context full: sequence {seq} holds {start} + {b - a} tokens > context size {cache.capacity}")
+    if n:  # each row at its sequence's cached length plus its place in its run (at once: run by run, 16 took 50 us)
+        firsts, ends = np.array([a for _, a, _ in runs]), np.array([b for _, _, b in runs])  # [R]
+        place = np.arange(n) - firsts[np.searchsorted(ends, np.arange(n), "right")]  # [N]
+        wrong = np.flatnonzero(batch.positions != cache.lengths[batch.seqs] + place)
+        if len(wrong):
+            seq = int(batch.seqs[wrong[0]])
+            raise UserError(f"sequence {seq}: the batch's positions must continue its cached positions from "
+                            f"{int(cache.lengths[seq])}")
     if n and (batch.tokens.min() < 0 or batch.tokens.max() >= cfg.vocab_size):
         raise UserError(f"token id out of range [0, {cfg.vocab_size})")
     for seq, a, b in runs:

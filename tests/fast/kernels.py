@@ -6,7 +6,7 @@ One table (SHAPES) serves the CPU kernels and the GPU kernels, which mirror the 
 
 import numpy as np
 
-from fast.cpu import KINDS
+from fast.cpu import KINDS, TILE_SHARE
 from fast.quant import INTERLEAVED, ROWS, for_sparse, interleave, run_format
 from ref.model import attention as ref_attention
 from ref.model import ffn_activation
@@ -142,11 +142,15 @@ def case_sparse_ffn(rng, F, D, n_active, kind, chunks=3, fmt="f32", gated=True, 
             want(x, active, kind))
 
 
-def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, full=False, gated=True, runs=False):
-    """T tokens, each with its own predicted set (one empty, one full where asked), over the union of the sets."""
+def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, full=False, gated=True, runs=False,
+                          sizes=(0.0, 1.0)):
+    """T tokens, each with its own predicted set of a share of the F neurons drawn from `sizes` (one empty, one full
+    where asked), over the union of the sets. Float formats run sets denser than fast.cpu.TILE_SHARE of the union in
+    tiles, sparser ones a neuron at a time: sizes (0.7, 1) ask for the one, (0, 0.15) for the other."""
     x = randn(rng, T, D)
     bundle, bu, want = ffn_weights(rng, F, D, fmt, gated, runs)
-    sets = [np.sort(rng.choice(F, rng.integers(0, F + 1), replace=False)).astype(np.int32) for _ in range(T)]
+    sets = [np.sort(rng.choice(F, rng.integers(int(sizes[0] * F), int(sizes[1] * F) + 1), replace=False)).astype(np.int32)
+            for _ in range(T)]
     if empty:
         sets[0] = np.empty(0, np.int32)
     if full:
@@ -155,6 +159,8 @@ def case_sparse_ffn_batch(rng, T, F, D, kind, chunks=3, fmt="f32", empty=False, 
     mask = np.zeros((T, max(len(union), 1)), np.uint8)
     for t, a in enumerate(sets):
         mask[t, np.searchsorted(union, a)] = 1
+    density = mask.sum() / mask.size  # the case runs the path it asks for
+    assert (sizes[0] < 0.7 or density >= TILE_SHARE) and (sizes[1] > 0.15 or density < TILE_SHARE), density
     out, acc = np.empty((T, D), F32), np.empty((chunks, T, D), F32)
     return (lambda k: (k.sparse_ffn_batch(out, acc, x, bundle, bu, union, len(union), mask, KINDS[kind], F32(0.1)),
                        out)[1],
@@ -209,9 +215,23 @@ def case_predicted_set(rng, F, threshold):
     return lambda k: active[: k.predicted_set(active, logits, F32(threshold))], want
 
 
+def case_union_mask(rng, T, F, share):
+    """Tokens' picks of `share` density (one token's empty): the union's ids, then the mask's columns of them, as the
+    plain numpy definition has them (any, flatnonzero, the columns)."""
+    picked = (rng.random((T, F)) < share).astype(np.uint8)
+    picked[0] = 0
+    union, mask = np.full(F, -1, np.int32), np.full((T, F), 7, np.uint8)
+    ids = np.flatnonzero(picked.any(axis=0))
+
+    def run(k):
+        n = k.union_mask(union, mask, picked)
+        return np.concatenate([union[:n], mask[:, :n].ravel()])
+    return run, np.concatenate([ids, picked[:, ids].ravel()])
+
+
 CASES = {
     "rmsnorm": case_rmsnorm, "norm": case_norm, "add_bias": case_add_bias, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
-    "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set,
+    "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set, "union_mask": case_union_mask,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
     "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block,
 }
@@ -259,6 +279,8 @@ SHAPES = [
     ("predictor", dict(T=1, D=19, R=5, F=11), True), ("predictor", dict(T=2, D=5, R=12, F=7), True),
     ("predicted_set", dict(F=77, threshold=0.0), False), ("predicted_set", dict(F=10, threshold=-5.0), False),
     ("predicted_set", dict(F=10, threshold=5.0), False),
+    ("union_mask", dict(T=5, F=40, share=0.1), False), ("union_mask", dict(T=3, F=9, share=0.0), False),
+    ("union_mask", dict(T=16, F=33, share=1.0), False),
     ("attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("attention_block", dict(T=4, S=4, H=2, K=2, E=4, D=7), False),
     ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33), False),
@@ -279,6 +301,10 @@ SHAPES = [
     ("sparse_ffn_batch", dict(T=3, F=30, D=33, kind="fatrelu", chunks=7), False),
     ("sparse_ffn_batch", dict(T=6, F=40, D=19, kind="relu", empty=True, full=True, gated=False), False),
     ("sparse_ffn_batch", dict(T=2, F=9, D=8, kind="gelu", gated=False), False),
+    # float formats' tiles (dense sets: four neurons by four tokens, tail neurons and tail tokens) and neurons (sparse)
+    ("sparse_ffn_batch", dict(T=7, F=30, D=19, kind="relu", sizes=(0.7, 1.0), chunks=4), False),
+    ("sparse_ffn_batch", dict(T=9, F=41, D=33, kind="silu", sizes=(0.7, 1.0), gated=False, full=True), False),
+    ("sparse_ffn_batch", dict(T=8, F=60, D=19, kind="relu", sizes=(0.0, 0.15), empty=True), False),
     ("dense_down", dict(T=1, F=37, D=19, kind="relu"), False), ("dense_down", dict(T=1, F=9, D=8, kind="drelu", chunks=7), False),
     ("dense_down", dict(T=5, F=40, D=19, kind="fatrelu"), False), ("dense_down", dict(T=6, F=30, D=33, kind="silu"), False),
     ("dense_ffn_block", dict(F=50, D=19, kind="relu"), False), ("dense_ffn_block", dict(F=9, D=8, kind="silu"), False),
@@ -291,6 +317,9 @@ SHAPES = [
         ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")),
         ("ffn_block", dict(F=50, D=19, n_active=13, kind="fatrelu")),
         ("dense_down", dict(T=2, F=30, D=19, kind="relu")), ("dense_ffn_block", dict(F=20, D=19, kind="relu")),
+        ("sparse_ffn_batch", dict(T=6, F=23, D=33, kind="relu", sizes=(0.7, 1.0), empty=True)),
+        ("sparse_ffn_batch", dict(T=5, F=30, D=19, kind="fatrelu", sizes=(0.7, 1.0), gated=False)),
+        ("sparse_ffn_batch", dict(T=7, F=40, D=19, kind="relu", sizes=(0.0, 0.15))),
         ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33)))],
     # block formats: rows of whole 32-element blocks; one block, several, row counts off the four streams
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("q8_0", "q4_0") for name, shape in (
@@ -327,7 +356,7 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
     ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")))]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; batched prefill runs on the CPU so far.
-CPU_ONLY = {"predicted_set", "sparse_ffn_batch", "dense_down", "dense_ffn_block"}
+CPU_ONLY = {"predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
 
