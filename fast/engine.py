@@ -327,8 +327,8 @@ class Engine(Decoder):
         for t0 in range(0, T, FFN_CHUNK):
             n = min(FFN_CHUNK, T - t0)
             union, mask = self.active_sets(l, h[t0:t0 + n])
-            k = cpu if np.count_nonzero(mask[:, :len(union)]) < GEMM_SHARE * mask[:, :len(union)].size else \
-                kernels(n, h.shape[1])
+            pairs = mask[:, :len(union)]  # [n, U]: the defined columns
+            k = cpu if np.count_nonzero(pairs) < GEMM_SHARE * pairs.size else kernels(n, h.shape[1])
             k.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n],
                                L.bundle, L.bu, union, len(union), mask, self.kind, self.thr)
         cpu.add_bias(y, L.bd)
