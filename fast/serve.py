@@ -485,8 +485,9 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
                        f"weights {e.format.name}, FFN {'sparse' if e.selector.predicts else 'dense'}", err=True)
         await task
 
-    try:
-        asyncio.run(serve())
+    try:  # on uvicorn's choice of loop (uvloop where installed: about half the CPU a streamed token costs the loop)
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            runner.run(serve())
     finally:
         scheduler.stop()
     if not http.started:
