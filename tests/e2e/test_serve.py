@@ -232,3 +232,23 @@ def test_default_threads_are_counted_before_the_server_starts(monkeypatch):
         assert where == [threading.main_thread()] and server.scheduler.engine.threads == 1
     finally:
         server.scheduler.stop()
+
+
+def test_the_load_generator_reads_streams_as_the_server_sends_them(server):
+    """scripts/bench_serve.py reads HTTP/1.1 and the event stream off a socket itself: every token of concurrent
+    streams counted, with their times, and a 4xx answer reported as an error."""
+    import asyncio
+
+    from tests.helpers import load_script
+    bench = load_script("bench_serve")
+
+    async def three():
+        one = bench.stream_one
+        return await asyncio.gather(one("127.0.0.1", server.port, {}, "once upon a time", 12, 5),
+                                    one("127.0.0.1", server.port, {}, "a dog", 7, 6),
+                                    one("127.0.0.1", server.port, {"X-Ignored": "1"}, "hi", 0, 7))
+
+    runs = asyncio.run(asyncio.wait_for(three(), 120))
+    assert [r.get("tokens") for r in runs[:2]] == [12, 7], runs
+    assert all(r["ttft"] > 0 and r["seconds"] >= r["ttft"] and len(r["itl"]) <= r["tokens"] - 1 for r in runs[:2])
+    assert runs[2]["error"].startswith("HTTP 400"), runs[2]
