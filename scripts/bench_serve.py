@@ -18,25 +18,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def stream_one(host: str, port: int, headers: dict, prompt: str, n: int, seed: int) -> dict:
-    """One streaming completion: seconds to the first token and between tokens, tokens, wall seconds.
-
-    HTTP/1.1 and the event stream read off an asyncio socket here, not through an HTTP client library: the load
-    generator runs on the server's cores, and httpx's streaming took 130 us of CPU a token (a quarter of a core at
-    16 clients, taken from the server it measures), this 30 us."""
-    body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True, "temperature": 0.8,
-                       "seed": seed}).encode()
-    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    t0 = time.perf_counter()
+async def read_stream(host: str, port: int, prefix: str, head: str, body: bytes) -> tuple[list, str | None, int]:
+    """POST body to PREFIX/v1/completions and read its event stream: (the times of the events with text, the error
+    event's message or None, the completion tokens of the usage event). An answer other than 200 is an error."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n{head}\r\n".encode() + body)
+        writer.write(f"POST {prefix}/v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+                     f"{head}\r\n".encode() + body)
         status, *fields = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         code = int(status.split()[1])
-        chunked = any(f.lower().replace(" ", "") == "transfer-encoding:chunked" for f in fields)
         if code != 200:
-            return {"error": f"HTTP {code}: {(await reader.read())[:200]!r}"}
+            return [], f"HTTP {code}: {(await reader.read())[:200]!r}", 0
+        chunked = any(f.lower().replace(" ", "") == "transfer-encoding:chunked" for f in fields)
         stamps, error, tokens, buf = [], None, 0, b""
         while error is None:
             if chunked:  # one chunk: its size in hex, the bytes, CRLF; size 0 ends the body
@@ -61,8 +55,28 @@ async def stream_one(host: str, port: int, headers: dict, prompt: str, n: int, s
                     stamps.append(time.perf_counter())
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
+        return stamps, error, tokens
     finally:
         writer.close()
+
+
+async def stream_one(host: str, port: int, headers: dict, prompt: str, n: int, seed: int, prefix: str = "",
+                     timeout: float = 600) -> dict:
+    """One streaming completion: seconds to the first token and between tokens, tokens, wall seconds.
+
+    HTTP/1.1 and the event stream read off an asyncio socket here, not through an HTTP client library: the load
+    generator runs on the server's cores, and httpx's streaming took 130 us of CPU a token (a quarter of a core at
+    16 clients, taken from the server it measures), this 30 us. A request that fails, or does not end within
+    `timeout` seconds, comes back as {"error": ...}."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True, "temperature": 0.8,
+                       "seed": seed}).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            stamps, error, tokens = await read_stream(host, port, prefix, head, body)
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter()
     if error or not stamps:
         return {"error": error or "no tokens"}
@@ -76,14 +90,14 @@ async def load(url: str, headers: dict, clients: int, tokens: int, rounds: int) 
     where = urlsplit(url)
     if where.scheme != "http" or not where.hostname:
         raise SystemExit(f"--url: an http://host:port address, got {url!r}")
-    host, port = where.hostname, where.port or 80
+    host, port, prefix = where.hostname, where.port or 80, where.path.rstrip("/")
     out = []
-    await stream_one(host, port, headers, "warm up", 4, 0)
+    await stream_one(host, port, headers, "warm up", 4, 0, prefix)
     for k in range(rounds):
-        alone = await stream_one(host, port, headers, "once upon a time", tokens, 1 + k)
+        alone = await stream_one(host, port, headers, "once upon a time", tokens, 1 + k, prefix)
         t0 = time.perf_counter()
         runs = await asyncio.gather(*[stream_one(host, port, headers, f"once upon a time, story {i}", tokens,
-                                                 i + 100 * k) for i in range(clients)])
+                                                 i + 100 * k, prefix) for i in range(clients)])
         out.append((alone, runs, time.perf_counter() - t0))
     return out
 

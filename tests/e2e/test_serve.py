@@ -236,7 +236,8 @@ def test_default_threads_are_counted_before_the_server_starts(monkeypatch):
 
 def test_the_load_generator_reads_streams_as_the_server_sends_them(server):
     """scripts/bench_serve.py reads HTTP/1.1 and the event stream off a socket itself: every token of concurrent
-    streams counted, with their times, and a 4xx answer reported as an error."""
+    streams counted, with their times; a 4xx answer, a refused connection and a server too slow for the timeout
+    reported as errors."""
     import asyncio
 
     from tests.helpers import load_script
@@ -246,9 +247,13 @@ def test_the_load_generator_reads_streams_as_the_server_sends_them(server):
         one = bench.stream_one
         return await asyncio.gather(one("127.0.0.1", server.port, {}, "once upon a time", 12, 5),
                                     one("127.0.0.1", server.port, {}, "a dog", 7, 6),
-                                    one("127.0.0.1", server.port, {"X-Ignored": "1"}, "hi", 0, 7))
+                                    one("127.0.0.1", server.port, {"X-Ignored": "1"}, "hi", 0, 7),
+                                    one("127.0.0.1", free_port(), {}, "hi", 4, 8),
+                                    one("127.0.0.1", server.port, {}, "a cat", 400, 9, timeout=0.05))
 
     runs = asyncio.run(asyncio.wait_for(three(), 120))
     assert [r.get("tokens") for r in runs[:2]] == [12, 7], runs
     assert all(r["ttft"] > 0 and r["seconds"] >= r["ttft"] and len(r["itl"]) <= r["tokens"] - 1 for r in runs[:2])
     assert runs[2]["error"].startswith("HTTP 400"), runs[2]
+    assert runs[3]["error"].startswith("ConnectionRefusedError"), runs[3]
+    assert runs[4]["error"].startswith("TimeoutError"), runs[4]
