@@ -256,6 +256,7 @@ SHAPES = [
     ("attention", dict(T=1, S=9, H=4, K=2, E=8), False), ("attention", dict(T=5, S=5, H=6, K=3, E=16), False),
     ("attention", dict(T=3, S=10, H=4, K=4, E=8), False), ("attention", dict(T=1, S=1, H=8, K=1, E=4), False),
     ("attention", dict(T=1, S=11, H=4, K=2, E=4), True), ("attention", dict(T=3, S=3, H=2, K=2, E=8), True),
+    ("attention", dict(T=300, S=310, H=4, K=2, E=8), False),  # fast.blas's query blocks, the last a tail
     ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu"), False),
     ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="relu"), False),
     ("sparse_ffn", dict(F=100, D=33, n_active=1, kind="relu"), False),
