@@ -30,7 +30,7 @@ from ref.common.tokenizer import load_tokenizer
 @click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
 @click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold.")
 @click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
-              help="Format to run the predictors in [default: a GGUF's as stored; else the weights' format, q8_0 for q4_0].")
+              help="Format to run the predictors in [default: a GGUF's as stored; else the weights' format, q8_0 for f16 and bf16].")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
 @user_errors
 def main(gen: Generation, threads, type_, device, vram_budget, placement, policy, dense, predictors,

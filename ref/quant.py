@@ -161,11 +161,14 @@ def values(b: np.ndarray) -> np.ndarray:
     return Quantized(fmt, b.view(np.uint8), (*b.shape[:-1], b.shape[-1] * fmt.block)).astype(np.float32)
 
 
-# The predictors' format that goes with a weight format: q8_0 for f16, bf16 and q4_0 weights, else the weights' own;
-# f16 for a predictor matrix whose rows are not whole blocks of it. Predictor recall on the shipped model, 6,000
-# held-out tokens: 0.977 in f32, f16 and q8_0, 0.952 in q4_0; and q8_0 predictors read about half an f16 predictor's
-# bytes (TinyLlama's shape, f16 weights, 90% sparse decode: 26.7 -> 29.7 tok/s, 2.15x -> 2.44x llama.cpp's dense f16).
-PREDICTOR_FORMATS = {"f16": "q8_0", "bf16": "q8_0", "q4_0": "q8_0"}
+# The predictors' format that goes with a weight format: q8_0 for f16 and bf16 weights, else the weights' own (as
+# PowerInfer's Q4 files hold Q4_0 predictors: its quantize tool takes every matrix); f16 for a predictor matrix whose
+# rows are not whole blocks of it. Predictor recall on the shipped model, 6,000 held-out tokens: 0.977 in f32, f16
+# and q8_0, 0.952 in q4_0, yet its perplexity beside q4_0 weights is 18.2784 with q4_0 predictors against 18.2765
+# with q8_0 (+0.01%; val.txt, fast.perplexity); q8_0 predictors read about half an f16 predictor's bytes (TinyLlama's
+# shape, f16 weights, 90% sparse decode: 26.7 -> 29.7 tok/s, 2.15x -> 2.44x llama.cpp's dense f16), q4_0 ones half a
+# q8_0's (q4_0 weights: 1.73x -> 1.83x to 1.92x llama.cpp's dense q4_0, runs of the same hour).
+PREDICTOR_FORMATS = {"f16": "q8_0", "bf16": "q8_0"}
 
 
 def predictor_format(fmt: Format, row: int | None = None) -> Format:

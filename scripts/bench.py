@@ -31,7 +31,7 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
 @click.option("--type", "type_", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
               help="Weight format of the synthetic model.")
 @click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
-              help="Format of the predictors [default: the weights', q8_0 for q4_0].")
+              help="Format of the predictors [default: the weights', q8_0 for f16 and bf16].")
 @click.option("-t", "--threads", type=int, default=None, help="[default: the cores other processes leave idle]")
 @click.option("--busy", type=click.IntRange(min=0), default=0, show_default=True,
               help="Run this many spinning processes beside the benchmark (a machine something else uses).")

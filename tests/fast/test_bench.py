@@ -54,13 +54,13 @@ def test_bench_beside_busy_processes(tmp_path):
 
 
 def test_bench_quantized_with_its_predictor_format(tmp_path):
-    """A block format on a shape whose rows are whole blocks; q4_0's predictors default to q8_0."""
+    """A block format on a shape whose rows are whole blocks; q4_0's predictors default to q4_0."""
     r = CliRunner().invoke(load_script("bench").main, ["--shape", "tiny", "--layers", "1", "--tokens", "2", "--runs", "1",
                                                        "--type", "q4_0", "--probe-gib", "0.01", "-t", "1",
                                                        "--json", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
     out = json.loads((tmp_path / "b.json").read_text())
-    assert out["type"] == "q4_0" and out["predictor_type"] == "q8_0" and "predictors R=" in r.output
+    assert out["type"] == "q4_0" and out["predictor_type"] == "q4_0" and "predictors R=" in r.output
     assert out["sparse"]["bytes_per_token"] < out["dense"]["bytes_per_token"]
 
 

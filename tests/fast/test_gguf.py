@@ -80,7 +80,7 @@ def test_round_trip_through_llama_cpps_reader(files, fmt, tmp_path):
     check("output.weight", w["lm_head"].astype(np.float32))
     check("blk.0.attn_norm.weight", w["layers.0.attn_norm"].astype(np.float32), gguf.GGMLQuantizationType.F32)
     pred = Predictors.load(SHIPPED / "predictors.safetensors", c)
-    pfmt = predictor_format(FORMATS[fmt], pred.fc2[3].shape[-1])  # q8_0 beside f16, bf16 and q4_0
+    pfmt = predictor_format(FORMATS[fmt], pred.fc2[3].shape[-1])  # q8_0 beside f16 and bf16
     check("blk.3.fc2.weight", pred.fc2[3], gguf.GGMLQuantizationType[pfmt.name.upper()])
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
     assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == c.n_layers
