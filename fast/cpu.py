@@ -482,7 +482,8 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     its rows but the down row, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent
     ones: -3 %; the down row too: -6 % where half the neurons fire).
     A neuron whose activation is 0 (ReLU's zeros in a dense FFN, a predicted neuron that does not fire) adds
-    nothing, so its down row is not read: the others wait until four can be read at once.
+    nothing, so its down row is not read: the others' rows are hinted as soon as their activations are known and read
+    a step later, four at a time (TinyLlama's 22 layers at 10 %, 2 threads: q8_0 3.7 -> 3.5 ms, q4_0 -1 to -3 %).
     """
     C, D = acc.shape
     P = bundle.shape[1]
@@ -495,8 +496,9 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
         y = acc[c]
         for d in range(D):
             y[d] = 0.0
-        acts, ids = np.empty(8, np.float32), np.empty(8, np.int64)  # down rows waiting to be read, < 8
+        acts, ids = np.empty(12, np.float32), np.empty(12, np.int64)  # down rows waiting to be read, < 12
         n = 0
+        fired = 0  # acts[:fired] hinted already
         for j in range(lo, lo + q):
             i0, i1, i2, i3 = active[j], active[j + q], active[j + 2 * q], active[j + 3 * q]
             if j + 1 < lo + q:  # each lane's next bundle, unless it is the adjacent one
@@ -518,18 +520,24 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
             n += acts[n] != 0
             acts[n], ids[n] = activation(kind, g3, u3, thr), i3
             n += acts[n] != 0
-            if n >= 4:  # four down rows that add something, read at once
+            for k in range(fired, n):  # a down row that adds something, hinted a step before it is read
+                prefetch_rows(bundle, ids[k], P - 1, P, span)
+            if n >= 8:  # the four oldest down rows, read at once
                 axpy4(y, acts[0], acts[1], acts[2], acts[3], bundle[ids[0], P - 1], bundle[ids[1], P - 1],
                       bundle[ids[2], P - 1], bundle[ids[3], P - 1])
                 for k in range(4, n):
                     acts[k - 4], ids[k - 4] = acts[k], ids[k]
                 n -= 4
+            fired = n
         for j in range(lo + 4 * q, hi):
             b = bundle[active[j]]
             g, u = pre_activations(b, bias, active[j], x, xq0, xd0, xs0)
             acts[n], ids[n] = activation(kind, g, u, thr), active[j]
             n += acts[n] != 0
-        for k in range(n):
+        for k in range(0, n - 3, 4):
+            axpy4(y, acts[k], acts[k + 1], acts[k + 2], acts[k + 3], bundle[ids[k], P - 1], bundle[ids[k + 1], P - 1],
+                  bundle[ids[k + 2], P - 1], bundle[ids[k + 3], P - 1])
+        for k in range(n - n % 4, n):
             axpy(y, acts[k], bundle[ids[k], P - 1])
     sum_chunks(out, acc)
 
@@ -709,7 +717,9 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
 def dense_down(out, acc, gu, down, kind, thr):
     """out[t] = sum_i a_ti down_i, a_ti = a(g_ti, u_ti) from gu[t] = (g_t, u_t) over all F neurons: the down half of
     a dense FFN whose gate and up rows ran as one matmul (Engine's dense layout, dense_ffn). A zero activation skips
-    its down row; one token's rows go four at a time (axpy4), several tokens' four tokens at a time (axpy4t).
+    its down row; one token's rows go four at a time (axpy4), the next four hinted meanwhile (the rows that add
+    something are known first: TinyLlama's 22 layers, half the neurons firing, 2 threads, q4_0 9.3 -> 6.2 ms, q8_0
+    10.7 -> 9.0), several tokens' four tokens at a time (axpy4t).
 
     out: [T, D]; acc: [C, T, D] per-chunk private accumulators; gu: [T, 2F]; down: [F, D] rows of down^T."""
     C, T, D = acc.shape
@@ -718,19 +728,23 @@ def dense_down(out, acc, gu, down, kind, thr):
         lo, hi = c * F // C, (c + 1) * F // C
         y = acc[c]
         y[:] = 0.0
-        acts, ids = np.empty(max(T, 4), np.float32), np.empty(max(T, 4), np.int64)
-        if T == 1:  # neurons wait until four add something
+        if T == 1:  # the neurons that add something, then their rows four at a time, the next four hinted ahead
+            acts, ids = np.empty(hi - lo + 1, np.float32), np.empty(hi - lo + 1, np.int64)
             n = 0
             for i in range(lo, hi):
                 acts[n], ids[n] = activation(kind, gu[0, i], gu[0, F + i], thr), i
                 n += acts[n] != 0
-                if n == 4:
-                    axpy4(y[0], acts[0], acts[1], acts[2], acts[3], down[ids[0]], down[ids[1]], down[ids[2]],
-                          down[ids[3]])
-                    n = 0
-            for k in range(n):
+            span = down.shape[1] * down.itemsize
+            for k in range(0, n - 3, 4):
+                for m in range(k + 4, min(k + 8, n)):
+                    for off in range(0, span, 64):
+                        prefetch(down, ids[m] * down.shape[1], off)
+                axpy4(y[0], acts[k], acts[k + 1], acts[k + 2], acts[k + 3], down[ids[k]], down[ids[k + 1]],
+                      down[ids[k + 2]], down[ids[k + 3]])
+            for k in range(n - n % 4, n):
                 axpy(y[0], acts[k], down[ids[k]])
         else:
+            acts, ids = np.empty(T, np.float32), np.empty(T, np.int64)
             for i in range(lo, hi):
                 m = 0  # the tokens whose activation is not 0
                 for t in range(T):
