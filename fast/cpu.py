@@ -423,12 +423,18 @@ def prefetch(typingctx, a, i, offset):
 
 
 @njit(inline="always")
+def prefetch_row(a, r, n, span):
+    """Hint the first `span` bytes of row r of a C-contiguous array whose rows hold n items."""
+    for off in range(0, span, 64):
+        prefetch(a, r * n, off)
+
+
+@njit(inline="always")
 def prefetch_rows(bundle, i, first, last, span):
     """Hint the first `span` bytes of rows first..last - 1 of neuron i's bundle (bundle: [F, P, n])."""
     P = bundle.shape[1]
     for part in range(first, last):
-        for off in range(0, span, 64):
-            prefetch(bundle, (i * P + part) * bundle.shape[2], off)
+        prefetch_row(bundle, i * P + part, bundle.shape[2], span)
 
 
 def activation_py(kind, g, u, thr):
@@ -737,8 +743,7 @@ def dense_down(out, acc, gu, down, kind, thr):
             span = down.shape[1] * down.itemsize
             for k in range(0, n - 3, 4):
                 for m in range(k + 4, min(k + 8, n)):
-                    for off in range(0, span, 64):
-                        prefetch(down, ids[m] * down.shape[1], off)
+                    prefetch_row(down, ids[m], down.shape[1], span)
                 axpy4(y[0], acts[k], acts[k + 1], acts[k + 2], acts[k + 3], down[ids[k]], down[ids[k + 1]],
                       down[ids[k + 2]], down[ids[k + 3]])
             for k in range(n - n % 4, n):
