@@ -243,7 +243,7 @@ def test_the_load_generator_reads_streams_as_the_server_sends_them(server):
     from tests.helpers import load_script
     bench = load_script("bench_serve")
 
-    async def three():
+    async def streams():
         one = bench.stream_one
         return await asyncio.gather(one("127.0.0.1", server.port, {}, "once upon a time", 12, 5),
                                     one("127.0.0.1", server.port, {}, "a dog", 7, 6),
@@ -251,7 +251,7 @@ def test_the_load_generator_reads_streams_as_the_server_sends_them(server):
                                     one("127.0.0.1", free_port(), {}, "hi", 4, 8),
                                     one("127.0.0.1", server.port, {}, "a cat", 400, 9, timeout=0.05))
 
-    runs = asyncio.run(asyncio.wait_for(three(), 120))
+    runs = asyncio.run(asyncio.wait_for(streams(), 120))
     assert [r.get("tokens") for r in runs[:2]] == [12, 7], runs
     assert all(r["ttft"] > 0 and r["seconds"] >= r["ttft"] and len(r["itl"]) <= r["tokens"] - 1 for r in runs[:2])
     assert runs[2]["error"].startswith("HTTP 400"), runs[2]
