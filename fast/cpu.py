@@ -896,10 +896,18 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
     k_caches, v_caches: typed lists of every slot's [room, K, E] arrays.
 
     One call per layer instead of one per sequence (13 us each: 1.2 of the 4.3 ms of a 16-sequence step of the
-    shipped model); tokens in parallel, each token's kv heads in turn (attend: a group's query heads together)."""
+    shipped model); tokens in parallel, each token's kv heads in turn (attend: a group's query heads together). A
+    worker hints the next token's cached keys and values while it runs one: the slots are in no cache by the next
+    step (the shipped model, 16 sequences decoding real text, 2 threads, its 6 layers: 0.44 to 0.71 -> 0.36 to 0.67
+    ms a step at 20 to 60 positions in five runs, 0.95 -> 0.88 and 1.47 -> 1.39 at 20 to 200)."""
     T = qkv.shape[0]
     for t in prange(T):
         kc, vc, p = k_caches[seqs[t]], v_caches[seqs[t]], positions[t]
+        if t + 1 < T:
+            kn, vn = k_caches[seqs[t + 1]], v_caches[seqs[t + 1]]
+            for off in range(0, positions[t + 1] * kn.shape[1] * kn.shape[2] * kn.itemsize, 64):
+                prefetch(kn, 0, off)
+                prefetch(vn, 0, off)
         K, E = kc.shape[1], kc.shape[2]
         H = qkv.shape[1] // E - 2 * K
         q = np.empty((1, H, E), np.float32)
