@@ -905,9 +905,9 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
         kc, vc, p = k_caches[seqs[t]], v_caches[seqs[t]], positions[t]
         if t + 1 < T:
             kn, vn = k_caches[seqs[t + 1]], v_caches[seqs[t + 1]]
-            for off in range(0, positions[t + 1] * kn.shape[1] * kn.shape[2] * kn.itemsize, 64):
-                prefetch(kn, 0, off)
-                prefetch(vn, 0, off)
+            span = positions[t + 1] * kn.shape[1] * kn.shape[2] * kn.itemsize
+            prefetch_row(kn, 0, 0, span)
+            prefetch_row(vn, 0, 0, span)
         K, E = kc.shape[1], kc.shape[2]
         H = qkv.shape[1] // E - 2 * K
         q = np.empty((1, H, E), np.float32)
