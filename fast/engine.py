@@ -138,6 +138,12 @@ class Selector(sparse.Selector):
         self.threshold = F32(threshold)
         self.logits, self.active = np.empty(d_ffn, F32), np.empty(d_ffn, np.int32)
 
+    @property
+    def by_threshold(self) -> bool:
+        """Whether the picks are the plain threshold of the predictor's logits, which a kernel may then apply itself
+        (a subclass's own pick decides otherwise)."""
+        return self.predicts and type(self).pick is Selector.pick and type(self).pick_rows is Selector.pick_rows
+
     def pick(self, l: int, logits: np.ndarray | None) -> np.ndarray:
         return self.all if logits is None else self.active[: cpu.predicted_set(self.active, logits, self.threshold)]
 
@@ -251,7 +257,8 @@ class Engine(Decoder):
         where the family has it, each sequence's run attending to its own slot, to which it appends its keys and
         values.
 
-        One short run (a decode step): one compiled call. Otherwise the projections read each weight row once for all
+        One short run (a decode step), or one token of each of several sequences (decoding together) in a step that
+        `kernels` keeps on fast.cpu: one compiled call. Otherwise the projections read each weight row once for all
         tokens (in BLAS for steps that `kernels` sends there), the attention runs per sequence."""
         L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.config.norm_eps, h.shape[0]
         w, b = self.norm_weights(L, ATTN_NORM)
@@ -261,11 +268,17 @@ class Engine(Decoder):
             cpu.attention_block(out, h, w, b, L.wqkv, L.bqkv, L.wo, L.bo, cache.k[l][seq], cache.v[l][seq], self.cos,
                                 self.sin, batch.positions[0], eps)
             return out
+        decoding = len(runs) == T  # one new token per sequence: their attention in one call
+        if decoding and k is cpu:
+            k_caches, v_caches = self.slot_views(cache, l)
+            cpu.decode_attention_block(out, h, w, b, L.wqkv, L.bqkv, L.wo, L.bo, k_caches, v_caches, batch.seqs,
+                                       batch.positions, self.cos, self.sin, eps)
+            return out
         c = self.config
         qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
         k.qkv_proj(qkv, h, w, b, L.wqkv, L.bqkv, eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
-        if len(runs) == T:  # one new token per sequence (decoding together): one call for all of them
+        if decoding:
             k_caches, v_caches = self.slot_views(cache, l)
             cpu.decode_attention(att, qkv, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin)
         else:
@@ -301,7 +314,8 @@ class Engine(Decoder):
         One token: the fused decode kernel. Several (a prompt, or one token of each of several sequences): per chunk
         of FFN_CHUNK tokens, each neuron of the union of their sets read once for all of them, each token computing
         only its own (`sparse_ffn_batch`; in BLAS for chunks that `kernels` sends there and that compute GEMM_SHARE of
-        the union's pairs). The dense layout (dense_ffn: every neuron): [g | u] = x [Wg | Wu]^T as one matmul, then
+        the union's pairs); one chunk that `kernels` keeps on fast.cpu, its sets the predictor's threshold: predictor,
+        sets and FFN as one compiled call (`ffn_batch_block`). The dense layout (dense_ffn: every neuron): [g | u] = x [Wg | Wu]^T as one matmul, then
         `dense_down`; one token's as one compiled call."""
         L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.config.norm_eps
         w, b = self.norm_weights(L, FFN_NORM)
@@ -321,6 +335,11 @@ class Engine(Decoder):
             active = self.active_set(l, h[0])
             cpu.ffn_block(y[0], self.acc, h[0], w, b, L.bundle, L.bu, L.bd, active, len(active), self.kind, self.thr,
                           eps)
+            return y
+        sel = self.selector
+        if sel.by_threshold and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu:
+            cpu.ffn_batch_block(y, h, w, b, sel.fc1[l], sel.fc2[l], sel.threshold, L.bundle, L.bu, L.bd, len(self.acc),
+                                self.kind, self.thr, eps)
             return y
         x = np.empty_like(h)
         cpu.norm(x, h, w, b, eps)

@@ -95,26 +95,51 @@ def case_attention(rng, T, S, H, K, E):
             ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.arange(pos0, S)))
 
 
+def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False):
+    """A block's attention weights in a format's storage (norm, q k v and o projections, biases where asked, rope
+    tables) and ref's block for one sequence's run h [T, D] whose positions before pos0 are cached in kc, vc."""
+    w, wb, normed = norm_weights(rng, D, norm)
+    (wqkv_b, wqkv, read_qkv), (wo_b, wo, read_o) = stored(randn(rng, (H + 2 * K) * E, D), fmt), stored(randn(rng, D, H * E), fmt)
+    bqkv, bo = (randn(rng, (H + 2 * K) * E), randn(rng, D)) if bias else (EMPTY, EMPTY)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+
+    def want(h, kc, vc, pos0):
+        T = h.shape[0]
+        qkv = read_qkv(normed(f64(h))) @ wqkv.T + (bqkv if bias else 0)  # [T, (H + 2K) E]
+        q, k, v = np.split(qkv, [H * E, (H + K) * E], axis=1)
+        pos = np.arange(pos0, pos0 + T)
+        q, k = ref_rope(q.reshape(T, H, E), pos, 500.0), ref_rope(k.reshape(T, K, E), pos, 500.0)
+        keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
+        return read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T + (bo if bias else 0)  # [T, D]
+    return (w, wb, wqkv_b, bqkv, wo_b, bo, *rope_tables_for(E)), want
+
+
 def case_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False):
     """The fast block against ref's norm, projections (with biases where asked), rope and attention; positions before
     S - T are cached."""
     h = randn(rng, T, D)
-    w, wb, normed = norm_weights(rng, D, norm)
-    (wqkv_b, wqkv, read_qkv), (wo_b, wo, read_o) = stored(randn(rng, (H + 2 * K) * E, D), fmt), stored(randn(rng, D, H * E), fmt)
-    bqkv, bo = (randn(rng, (H + 2 * K) * E), randn(rng, D)) if bias else (EMPTY, EMPTY)
+    (w, wb, wqkv, bqkv, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias)
     kc, vc = randn(rng, S + 2, K, E), randn(rng, S + 2, K, E)  # capacity S + 2: the rows after S stay unread
-    pos0 = S - T
-    cos, sin = rope_tables_for(E)
-    f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    qkv = read_qkv(normed(f64(h))) @ wqkv.T + (bqkv if bias else 0)  # [T, (H + 2K) E]
-    q, k, v = np.split(qkv, [H * E, (H + K) * E], axis=1)
-    pos = np.arange(pos0, S)
-    q, k = ref_rope(q.reshape(T, H, E), pos, 500.0), ref_rope(k.reshape(T, K, E), pos, 500.0)
-    keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
-    want = read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T + (bo if bias else 0)  # [T, D]
     out = np.empty((T, D), F32)
-    return (lambda k: (k.attention_block(out, h, w, wb, wqkv_b, bqkv, wo_b, bo, kc.copy(), vc.copy(), cos, sin, pos0,
-                                         1e-5), out)[1], want)
+    return (lambda k: (k.attention_block(out, h, w, wb, wqkv, bqkv, wo, bo, kc.copy(), vc.copy(), cos, sin, S - T,
+                                         1e-5), out)[1], want(h, kc, vc, S - T))
+
+
+def case_decode_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False):
+    """T sequences' one new token each, in slots given out of order beside a free slot (an empty array), at positions
+    0 to S - 1: each token's row as ref's block of its own sequence."""
+    from numba.typed import List
+    h = randn(rng, T, D)
+    (w, wb, wqkv, bqkv, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias)
+    seqs = rng.permutation(T + 1)[:T].astype(np.int64)  # slot T + 1's one left free
+    positions = rng.integers(0, S, T).astype(np.int64)
+    kcs, vcs = [randn(rng, S + 1, K, E) for _ in range(T + 1)], [randn(rng, S + 1, K, E) for _ in range(T + 1)]
+    free = next(s for s in range(T + 1) if s not in seqs)
+    kcs[free] = vcs[free] = np.zeros((0, K, E), F32)
+    out = np.empty((T, D), F32)
+    return (lambda k: (k.decode_attention_block(out, h, w, wb, wqkv, bqkv, wo, bo, List([a.copy() for a in kcs]),
+                                                List([a.copy() for a in vcs]), seqs, positions, cos, sin, 1e-5), out)[1],
+            np.concatenate([want(h[t:t + 1], kcs[seqs[t]], vcs[seqs[t]], positions[t]) for t in range(T)]))
 
 
 def ffn_weights(rng, F, D, fmt, gated, runs=False):
@@ -179,6 +204,31 @@ def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32", norm="rms", g
             want(normed(h[None].astype(np.float64))[0], active, kind) + (0 if gated else bd))
 
 
+def case_ffn_batch_block(rng, T, F, D, R, kind, share=0.3, chunks=3, fmt="f32", norm="rms", gated=True, runs=False):
+    """T tokens through the predictor, its threshold (each token about `share` of the neurons: the threshold in the
+    widest gap between logits near that quantile, so that float32 and float64 logits pick alike; 0 and 1: none and
+    all), the FFN's norm and each token's sparse FFN over its own set."""
+    h = randn(rng, T, D, scale=3)
+    w, b, normed = norm_weights(rng, D, norm)
+    bundle, bu, want = ffn_weights(rng, F, D, fmt, gated, runs)
+    bd = EMPTY if gated else randn(rng, D)
+    fc1, fc2 = randn(rng, R, D), randn(rng, F, R)
+    logits = predictor_logits(h.astype(np.float64), fc1.astype(np.float64), fc2.astype(np.float64))  # [T, F]
+    v = np.sort(logits.ravel())
+    if share in (0, 1):
+        threshold = v[-1] + 1 if share == 0 else v[0] - 1
+    else:
+        lo = max(0, int((1 - share) * v.size) - 4)
+        i = lo + int(np.argmax(np.diff(v)[lo:lo + 8]))
+        threshold = (v[i] + v[i + 1]) / 2
+    x = normed(h.astype(np.float64))
+    out = np.empty((T, D), F32)
+    return (lambda k: (k.ffn_batch_block(out, h, w, b, fc1, fc2, F32(threshold), bundle, bu, bd, chunks, KINDS[kind],
+                                         F32(0.1), 1e-5), out)[1],
+            np.stack([want(x[t], np.flatnonzero(logits[t] >= threshold).astype(np.int32), kind) for t in range(T)])
+            + (0 if gated else bd))
+
+
 def case_dense_down(rng, T, F, D, kind, chunks=3, fmt="f32"):
     """The dense layout's down half: a(g, u) of one matmul's [g | u] per token, times the down rows."""
     gu = randn(rng, T, 2 * F)
@@ -234,6 +284,7 @@ CASES = {
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set, "union_mask": case_union_mask,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
     "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block,
+    "decode_attention_block": case_decode_attention_block, "ffn_batch_block": case_ffn_batch_block,
 }
 
 # (kernel, shape, sim): tails (sizes off every block), single tokens, GQA, MHA and MQA, empty and full active sets.
@@ -310,6 +361,15 @@ SHAPES = [
     ("dense_down", dict(T=5, F=40, D=19, kind="fatrelu"), False), ("dense_down", dict(T=6, F=30, D=33, kind="silu"), False),
     ("dense_ffn_block", dict(F=50, D=19, kind="relu"), False), ("dense_ffn_block", dict(F=9, D=8, kind="silu"), False),
     ("dense_ffn_block", dict(F=20, D=19, kind="relu", norm="layer"), False),
+    ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
+    ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),
+    ("decode_attention_block", dict(T=3, S=6, H=2, K=2, E=4, D=9, norm="layer", bias=True), False),
+    ("ffn_batch_block", dict(T=5, F=40, D=19, R=8, kind="relu"), False),
+    ("ffn_batch_block", dict(T=1, F=20, D=8, R=5, kind="relu", share=0.5), False),
+    ("ffn_batch_block", dict(T=6, F=30, D=19, R=7, kind="fatrelu", share=0.9), False),  # float tiles
+    ("ffn_batch_block", dict(T=4, F=9, D=8, R=3, kind="relu", share=0), False),  # empty sets: no union
+    ("ffn_batch_block", dict(T=3, F=12, D=9, R=4, kind="relu", share=1, chunks=7), False),
+    ("ffn_batch_block", dict(T=5, F=40, D=19, R=6, kind="relu", norm="layer", gated=False), False),
     # every weight-reading kernel in every format fast.cpu reads
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("f16", "bf16") for name, shape in (
         ("matmul", dict(T=2, N=301, K=9)), ("matmul", dict(T=1, N=7, K=40)), ("matmul", dict(T=6, N=150, K=20)),
@@ -322,6 +382,9 @@ SHAPES = [
         ("sparse_ffn_batch", dict(T=5, F=30, D=19, kind="fatrelu", sizes=(0.7, 1.0), gated=False)),
         ("sparse_ffn_batch", dict(T=7, F=40, D=19, kind="relu", sizes=(0.0, 0.15))),
         ("attention_block", dict(T=2, S=7, H=6, K=1, E=8, D=33)))],
+    # the shipped model's formats through the several-sequence blocks
+    ("decode_attention_block", dict(T=3, S=7, H=4, K=2, E=8, D=33, fmt="f16"), False),
+    ("ffn_batch_block", dict(T=5, F=30, D=19, R=6, kind="relu", fmt="f16"), False),
     # block formats: rows of whole 32-element blocks; one block, several, row counts off the four streams
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("q8_0", "q4_0") for name, shape in (
         ("matmul", dict(T=2, N=301, K=64)), ("matmul", dict(T=1, N=7, K=32)), ("matmul", dict(T=3, N=1, K=96)),
@@ -347,6 +410,7 @@ SHAPES = [
         ("ffn_block", dict(F=50, D=256, n_active=13, kind="fatrelu")),
         ("sparse_ffn_batch", dict(T=7, F=30, D=256, kind="relu", empty=True, full=True)),
         ("sparse_ffn_batch", dict(T=5, F=20, D=512, kind="relu", gated=False)))],
+    ("ffn_batch_block", dict(T=6, F=30, D=256, R=8, kind="relu", fmt="q4_0", runs=True), False),
     # their rows interleaved in groups of 8: one group, groups four streams at a time and tails, 4+ tokens
     *[("matmul", {**shape, "fmt": fmt, "interleaved": True}, False) for fmt in ("q8_0", "q4_0") for shape in (
         dict(T=1, N=8, K=32), dict(T=2, N=64, K=96), dict(T=3, N=520, K=64), dict(T=9, N=40, K=64))],
@@ -357,7 +421,8 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
     ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")))]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; batched prefill runs on the CPU so far.
-CPU_ONLY = {"predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block"}
+CPU_ONLY = {"predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block", "ffn_batch_block",
+            "decode_attention_block"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
 
