@@ -315,8 +315,8 @@ class Engine(Decoder):
         of FFN_CHUNK tokens, each neuron of the union of their sets read once for all of them, each token computing
         only its own (`sparse_ffn_batch`; in BLAS for chunks that `kernels` sends there and that compute GEMM_SHARE of
         the union's pairs); one chunk that `kernels` keeps on fast.cpu, its sets the predictor's threshold: predictor,
-        sets and FFN as one compiled call (`ffn_batch_block`). The dense layout (dense_ffn: every neuron): [g | u] = x [Wg | Wu]^T as one matmul, then
-        `dense_down`; one token's as one compiled call."""
+        sets and FFN as one compiled call (`ffn_batch_block`). The dense layout (dense_ffn: every neuron): [g | u] =
+        x [Wg | Wu]^T as one matmul, then `dense_down`; one token's as one compiled call."""
         L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.config.norm_eps
         w, b = self.norm_weights(L, FFN_NORM)
         if L.gate_up is not None:  # the dense layout: every neuron, gate and up rows as one matmul
