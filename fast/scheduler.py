@@ -58,6 +58,7 @@ class TextStream:
         self.tok, self.stop, self.ids, self.shown = tokenizer, tuple(s for s in stop if s), [], 0
         self.text = ""
         self.start = self.read = 0  # ids[start:] is decoded at each token; ids[:read] are in text
+        self.seen = ""  # decode(ids[start:read]), kept from the token before
 
     def add(self, token: int) -> tuple[str, bool]:
         """The new text to show after `token`, and whether a stop string ended the text."""
@@ -82,13 +83,16 @@ class TextStream:
         window = self.tok.decode(self.ids[self.start:])
         if window.endswith("\ufffd"):
             return
-        seen = self.tok.decode(self.ids[self.start:self.read])
-        if window.startswith(seen):
-            self.text += window[len(seen):]
+        if window.startswith(self.seen):
+            self.text += window[len(self.seen):]
         else:
             self.text = self.tok.decode(self.ids)
-        if self.read < len(self.ids) and self.tok.decode(self.ids[self.read:self.read + 1]):
-            self.start = self.read
+        new = self.ids[self.read:]
+        piece = self.tok.decode(new[:1]) if new else ""
+        if piece:  # the next window starts at the new tokens
+            self.start, self.seen = self.read, piece if len(new) == 1 else self.tok.decode(new)
+        else:
+            self.seen = window
         self.read = len(self.ids)
 
     def take(self, end: int) -> str:
@@ -227,8 +231,9 @@ class Scheduler:
             if self.slots > 1:  # compile the several-sequence step now (about 0.3 s), not during the first requests
                 warm = self.engine.new_cache(2, slots=2)
                 self.engine.forward(Batch.of([(0, [0]), (1, [0])], warm), warm)
-            fast_sample(np.empty(1, np.int64), np.zeros((1, 2)), np.zeros(1), np.ones(1), np.zeros(1, np.int64),
-                        np.ones(1), np.zeros(1))  # compiled (or loaded from numba's cache) now, too
+            for dtype in (np.float32, np.float64):  # compiled (or loaded from numba's cache) now, too
+                fast_sample(np.empty(1, np.int64), np.zeros((1, 2), dtype), np.zeros(1), np.ones(1),
+                            np.zeros(1, np.int64), np.ones(1), np.zeros(1))
             self.cache = self.engine.new_cache(self.ctx, slots=self.slots)
             for s in range(self.slots):
                 self.cache.free(s)
@@ -299,13 +304,13 @@ class Scheduler:
         out = np.empty(len(reqs), np.int64)
         if not reqs:  # a step of prompt chunks only
             return out
-        z = logits.astype(np.float64)  # [B, V]
-        for i, r in enumerate(reqs):
-            p = r.params
-            z[i] = penalized(z[i], r.out, p.presence_penalty, p.frequency_penalty)
-            if p.repeat_penalty != 1.0:
-                z[i] = apply_repeat_penalty(z[i], r.prompt + r.out, p.repeat_penalty, p.repeat_last_n)
         ps = [r.params for r in reqs]
+        rows = [i for i, p in enumerate(ps) if p.presence_penalty or p.frequency_penalty or p.repeat_penalty != 1.0]
+        z = logits.astype(np.float64) if rows else logits  # [B, V]: float32 samples alike (fast.sampling.sample)
+        for i in rows:
+            r, p = reqs[i], ps[i]
+            z[i] = penalized(z[i], r.out, p.presence_penalty, p.frequency_penalty)
+            z[i] = apply_repeat_penalty(z[i], r.prompt + r.out, p.repeat_penalty, p.repeat_last_n)
         u = np.array([r.rng.random() if p.temperature > 0 else 0.0 for r, p in zip(reqs, ps)])  # [B] each one draw
         fast_sample(out, z, u, np.array([p.temperature for p in ps], np.float64),
                     np.array([p.top_k for p in ps], np.int64), np.array([p.top_p for p in ps], np.float64),

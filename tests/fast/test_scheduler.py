@@ -21,13 +21,16 @@ class Draw:
         return self.u
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("V, ties", [(1, False), (7, False), (40, True), (41, False), (300, True), (4096, False)])
-def test_sampler_matches_ref(V, ties):
+def test_sampler_matches_ref(V, ties, dtype):
+    """Rows in float64 (penalized) and in float32 (the model's logits as they come) give ref's tokens."""
     rng = np.random.default_rng(V)
     B = 64
     z = rng.standard_normal((B, V)) * rng.uniform(0.1, 5, (B, 1))  # [B, V]
     if ties:
         z = np.round(z)
+    z = z.astype(dtype)
     temperature = rng.choice([0.0, 0.3, 0.8, 1.5], B)
     top_k = rng.choice([0, 1, 5, 40, V, V + 3], B)
     top_p = rng.choice([0.3, 0.9, 0.95, 1.0], B)
