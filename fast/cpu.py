@@ -29,9 +29,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x4, dot, dot2t,
-                        dot4, dot4t, f16_round, interleaved, is_float, load, n_rows, prefetch_span, q8_0_block,
-                        quantize_input)
+from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x4, dot, dot2,
+                        dot2_2t, dot2_4t, dot2t, dot4, dot4t, f16_round, interleaved, is_float, load, n_rows,
+                        prefetch_span, q8_0_block, quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -469,10 +469,13 @@ def sum_chunks(out, acc):
 def pre_activations(b, bias, i, x, xq, xd, xs):
     """(g, u) of neuron i with bundle b for one token (ref.model.Model.ffn_gate_up): gate and up rows, or a
     non-gated bundle's up row plus its bias and u = 1."""
-    g = dot(b[0], x, xq, xd, xs)
+    if b.shape[0] == 3:
+        g, u = dot2(b[0], b[1], x, xq, xd, xs)
+    else:
+        g, u = dot(b[0], x, xq, xd, xs), np.float32(1.0)
     if bias.size:
         g += bias[i]
-    return g, dot(b[1], x, xq, xd, xs) if b.shape[0] == 3 else np.float32(1.0)
+    return g, u
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
@@ -637,8 +640,8 @@ def _tiled(bundle):
 @njit(fastmath=FASTMATH, inline="always")
 def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, span):
     """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), a neuron at a
-    time: its tokens four at a time (dot4t, axpy4t: each row element loaded once for four tokens); a single token's
-    neuron whose activation is 0 skips its down row."""
+    time: its tokens four at a time (dot2_4t for the gate and up rows in one pass, axpy4t: each row element loaded
+    once for four tokens); a single token's neuron whose activation is 0 skips its down row."""
     T, P = x.shape[0], bundle.shape[1]
     tokens, acts = np.empty(T, np.int64), np.empty(T, np.float32)  # a neuron's tokens and their activations
     for j in range(lo, hi):
@@ -656,15 +659,21 @@ def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr,
         one = np.float32(1.0)
         for k in range(0, n - 3, 4):  # gate and up rows read once for four tokens
             t0, t1, t2, t3 = tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3]
-            g0, g1, g2, g3 = dot4t(b[0], x, xq, xd, xs, t0, t1, t2, t3)
-            u0, u1, u2, u3 = dot4t(b[1], x, xq, xd, xs, t0, t1, t2, t3) if P == 3 else (one, one, one, one)
+            if P == 3:
+                g0, g1, g2, g3, u0, u1, u2, u3 = dot2_4t(b[0], b[1], x, xq, xd, xs, t0, t1, t2, t3)
+            else:
+                g0, g1, g2, g3 = dot4t(b[0], x, xq, xd, xs, t0, t1, t2, t3)
+                u0 = u1 = u2 = u3 = one
             acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
             acts[k + 2], acts[k + 3] = activation(kind, g2 + bi, u2, thr), activation(kind, g3 + bi, u3, thr)
         k = n - n % 4
         if n - k >= 2:  # two more tokens: the power law's usual case at a few sequences
             t0, t1 = tokens[k], tokens[k + 1]
-            g0, g1 = dot2t(b[0], x, xq, xd, xs, t0, t1)
-            u0, u1 = dot2t(b[1], x, xq, xd, xs, t0, t1) if P == 3 else (one, one)
+            if P == 3:
+                g0, g1, u0, u1 = dot2_2t(b[0], b[1], x, xq, xd, xs, t0, t1)
+            else:
+                g0, g1 = dot2t(b[0], x, xq, xd, xs, t0, t1)
+                u0 = u1 = one
             acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
             k += 2
         if k < n:
