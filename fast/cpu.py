@@ -30,7 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x4, dot, dot2,
-                        dot2_2t, dot2_4t, dot2t, dot4, dot4t, f16_round, interleaved, is_float, load, n_rows,
+                        dot2_2t, dot2_4t, dot2t, dot4, dot4t, dot4x4, f16_round, interleaved, is_float, load, n_rows,
                         prefetch_span, q8_0_block, quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
@@ -159,29 +159,13 @@ def matmul(out, x, w):
 
 
 @njit(fastmath=FASTMATH, inline="always")
-def dot4x4(w0, w1, w2, w3, x0, x1, x2, x3):
-    """The 16 products w_n . x_t of four float-format rows and four tokens, in the order n = 0 (t = 0..3), n = 1, ...:
-    each row element and token element loaded once for 4 products (a row against one token at a time loads 5 vectors
-    per 4 FMAs). Unpack the result by name: a tuple indexed in a loop leaves registers (4x slower)."""
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
-    for k in range(x0.shape[0]):
-        v0, v1, v2, v3 = load(w0, k), load(w1, k), load(w2, k), load(w3, k)
-        y0, y1, y2, y3 = x0[k], x1[k], x2[k], x3[k]
-        a00 += v0 * y0; a01 += v0 * y1; a02 += v0 * y2; a03 += v0 * y3
-        a10 += v1 * y0; a11 += v1 * y1; a12 += v1 * y2; a13 += v1 * y3
-        a20 += v2 * y0; a21 += v2 * y1; a22 += v2 * y2; a23 += v2 * y3
-        a30 += v3 * y0; a31 += v3 * y1; a32 += v3 * y2; a33 += v3 * y3
-    return a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33
-
-
-@njit(fastmath=FASTMATH, inline="always")
 def tile4x4(out, x, w, n, q, t):
     """out[t:t + 4, (n, n + q, n + 2 q, n + 3 q)] = x[t:t + 4] @ those rows of w.T for a float format's rows
-    (dot4x4). [8, 2048] x [5632, 2048], 2 threads: f32 63 -> 127 GFLOPS, f16 94 -> 156; 16 tokens: 93 -> 158, 99 ->
-    161 (adjacent rows, q = 1)."""
+    (dot4x4), hinting the next four (n + 1, ...) into L2. [8, 2048] x [5632, 2048], 2 threads: f32 63 -> 127
+    GFLOPS, f16 94 -> 156; 16 tokens: 93 -> 158, 99 -> 161 (against one token at a time, adjacent rows, q = 1)."""
     a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33 = dot4x4(
-        w[n], w[n + q], w[n + 2 * q], w[n + 3 * q], x[t], x[t + 1], x[t + 2], x[t + 3])
+        w[n], w[n + q], w[n + 2 * q], w[n + 3 * q], x[t], x[t + 1], x[t + 2], x[t + 3],
+        w[n + 1], w[n + 1 + q], w[n + 1 + 2 * q], w[min(n + 1 + 3 * q, w.shape[0] - 1)])
     out[t, n], out[t + 1, n], out[t + 2, n], out[t + 3, n] = a00, a01, a02, a03
     m = n + q
     out[t, m], out[t + 1, m], out[t + 2, m], out[t + 3, m] = a10, a11, a12, a13
@@ -258,7 +242,7 @@ def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
                 row_streams(out, x, w, xq, xd, xs, lo, hi)
                 return
             q = (hi - lo) // 4
-            for n in range(lo, lo + q):  # 4 rows, one from each quarter (STREAMS), x 4 tokens: 16 sums in registers
+            for n in range(lo, lo + q):  # 4 rows, one from each quarter (STREAMS), x 8 or 4 tokens: 16 sums in registers
                 for t in range(0, T - 3, 4):
                     tile4x4(out, x, w, n, q, t)
                 for t in range(T - T % 4, T):
@@ -590,6 +574,8 @@ def _ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
         for j in range(lo, hi - 3, 4):
             i0, i1, i2, i3 = active[j], active[j + 1], active[j + 2], active[j + 3]
             b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]
+            nx = min(j + 4, hi - 4)  # the next four neurons, whose gate rows the up products prefetch
+            n0, n1, n2, n3 = bundle[active[nx]], bundle[active[nx + 1]], bundle[active[nx + 2]], bundle[active[nx + 3]]
             for n in range(4):
                 row = bundle[active[j + n], P - 1]
                 for d in range(D):
@@ -599,9 +585,10 @@ def _ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
                 if not mask[t:t + k4, j:j + 4].any():
                     continue
                 if k4 == 4:
-                    put16(g, dot4x4(b0[0], b1[0], b2[0], b3[0], x[t], x[t + 1], x[t + 2], x[t + 3]))
+                    x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+                    put16(g, dot4x4(b0[0], b1[0], b2[0], b3[0], x0, x1, x2, x3, b0[1], b1[1], b2[1], b3[1]))
                     if P == 3:
-                        put16(u, dot4x4(b0[1], b1[1], b2[1], b3[1], x[t], x[t + 1], x[t + 2], x[t + 3]))
+                        put16(u, dot4x4(b0[1], b1[1], b2[1], b3[1], x0, x1, x2, x3, n0[0], n1[0], n2[0], n3[0]))
                 else:  # tail tokens: the four neurons at once against each
                     for k in range(k4):
                         xk = x[t + k]

@@ -300,6 +300,7 @@ SHAPES = [
     ("matmul", dict(T=3, N=1, K=5), False),
     ("matmul", dict(T=2, N=301, K=9), False),  # >= 4 rows per chunk: the four-stream path
     ("matmul", dict(T=9, N=211, K=33), False),  # 4 x 4 tiles, a tail token, chunks with tail rows
+    ("matmul", dict(T=8, N=64, K=48), False), ("matmul", dict(T=5, N=40, K=7), False),  # tiles: no tail, all tail
     ("matmul", dict(T=130, N=9, K=17), False),  # fast.blas's GEMM (from GEMM_TOKENS on)
     ("matmul", dict(T=1, N=9, K=19), True), ("matmul", dict(T=2, N=5, K=3), True),
     ("rope", dict(T=1, h=3, E=8, pos0=11), False), ("rope", dict(T=6, h=2, E=16, pos0=0), False),
@@ -373,7 +374,7 @@ SHAPES = [
     # every weight-reading kernel in every format fast.cpu reads
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("f16", "bf16") for name, shape in (
         ("matmul", dict(T=2, N=301, K=9)), ("matmul", dict(T=1, N=7, K=40)), ("matmul", dict(T=6, N=150, K=20)),
-        ("matmul", dict(T=130, N=5, K=40)),
+        ("matmul", dict(T=130, N=5, K=40)), ("matmul", dict(T=8, N=64, K=48)), ("matmul", dict(T=5, N=40, K=7)),
         ("sparse_ffn", dict(F=100, D=33, n_active=37, kind="relu")), ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="drelu")),
         ("sparse_ffn", dict(F=20, D=19, n_active=0, kind="relu")),
         ("ffn_block", dict(F=50, D=19, n_active=13, kind="fatrelu")),
