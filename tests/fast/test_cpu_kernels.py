@@ -46,29 +46,50 @@ def test_cached_kernels_are_dropped_when_the_row_operations_change(tmp_path, mon
     assert not kernel.exists() and other.exists()
 
 
-def with_isa(monkeypatch, isa):
+def with_isa(monkeypatch, request, isa):
     """fast.quant generating its integer products for `isa` (read when the intrinsics generate code: callers compiled
-    afterwards use it); skips where this CPU cannot run it."""
+    afterwards use it): "vnni512" is vnni with 16-lane vpdpbusd (fast.quant.WIDE: interleaved groups and rows in
+    runs two by two); skips where this CPU cannot run it."""
     import llvmlite.binding as llvm
 
     from fast import quant
     feats = llvm.get_host_cpu_features()
-    if isa == "vnni" and not (feats.get("avxvnni") or feats.get("avx512vnni")) or isa == "avx2" and not feats.get("avx2"):
+    runs = {"vnni512": feats.get("avx512vnni") and feats.get("avx512bw"),
+            "vnni": feats.get("avxvnni") or feats.get("avx512vnni"), "avx2": feats.get("avx2"), "generic": True}
+    if not runs[isa]:
         pytest.skip(f"this CPU cannot run {isa}")
-    monkeypatch.setattr(quant, "ISA", isa)
+    monkeypatch.setattr(quant, "ISA", "vnni" if isa == "vnni512" else isa)
+    monkeypatch.setattr(quant, "WIDE", isa == "vnni512")
+    forget_intrinsic_code(quant)
+    request.addfinalizer(lambda: forget_intrinsic_code(quant))  # nothing compiled later keeps this ISA's code
     return quant
 
 
-@pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
+def forget_intrinsic_code(module):
+    """Drop numba's typing cache of the module's intrinsics, which keeps each one's codegen per argument types for the
+    process: without it every ISA after the first reused the first one's code."""
+    from numba.core.extending import _Intrinsic
+    from numba.core.registry import cpu_target
+
+    context = cpu_target.typing_context
+    context.refresh()
+    for obj in vars(module).values():
+        if isinstance(obj, _Intrinsic):
+            for template in context.resolve_value_type(obj).templates:
+                template._impl_cache.clear()
+                template._overload_cache.clear()
+
+
+@pytest.mark.parametrize("isa", ["vnni512", "vnni", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_block_dot_products_in_every_isa(monkeypatch, isa, fmt):
+def test_block_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
     """The block dot products' IR for each instruction set this machine can run (the kernels use the best one; a
     machine without VNNI or without AVX2 runs the others): one token and four tokens against ref's values."""
     import numpy as np
     from numba import njit
 
     from ref.quant import blocks, input_values, quantize, values
-    quant = with_isa(monkeypatch, isa)
+    quant = with_isa(monkeypatch, request, isa)
 
     @njit
     def one(w, x):
@@ -89,16 +110,16 @@ def test_block_dot_products_in_every_isa(monkeypatch, isa, fmt):
     np.testing.assert_allclose(four(w, x), want[[4, 0, 2, 1]], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["vnni512", "vnni", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
+def test_interleaved_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
     """The interleaved groups' dot products (vpdpbusd, or its plain-IR form without VNNI): one group, four groups at
     once, and one group against four tokens, against ref's values."""
     import numpy as np
     from numba import njit
 
     from ref.quant import blocks, input_values, quantize, values
-    quant = with_isa(monkeypatch, isa)
+    quant = with_isa(monkeypatch, request, isa)
 
     @njit
     def one(w, x):
@@ -127,16 +148,16 @@ def test_interleaved_dot_products_in_every_isa(monkeypatch, isa, fmt):
     np.testing.assert_allclose(tokens(w, x), want[16:24][:, [4, 0, 2, 1]].T.ravel(), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("isa", ["vnni", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["vnni512", "vnni", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_run_dot_products_in_every_isa(monkeypatch, isa, fmt):
+def test_run_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
     """Rows in runs (fast.quant.RUNS: lanes are blocks): one row, four rows at once, one row against four and two
     tokens, against ref's values; the token laid out by quantize_input as the runs read it."""
     import numpy as np
     from numba import njit
 
     from ref.quant import blocks, input_values, quantize, values
-    quant = with_isa(monkeypatch, isa)
+    quant = with_isa(monkeypatch, request, isa)
 
     @njit
     def products(w, x):
