@@ -242,7 +242,7 @@ def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
                 row_streams(out, x, w, xq, xd, xs, lo, hi)
                 return
             q = (hi - lo) // 4
-            for n in range(lo, lo + q):  # 4 rows, one from each quarter (STREAMS), x 8 or 4 tokens: 16 sums in registers
+            for n in range(lo, lo + q):  # 4 rows, one from each quarter (STREAMS), x 4 tokens: 16 sums in registers
                 for t in range(0, T - 3, 4):
                     tile4x4(out, x, w, n, q, t)
                 for t in range(T - T % 4, T):
