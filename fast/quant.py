@@ -92,6 +92,17 @@ def wide() -> bool:
 WIDE = wide()
 
 
+def float_lanes() -> int:
+    """Lanes of the float tiles' vectors (_float_tile): 16 where the CPU has AVX-512's 32 zmm registers, 8 elsewhere
+    (AVX2's 16 ymm registers would spill 16 accumulators of 16 lanes)."""
+    if numba_config.CPU_NAME and numba_config.CPU_NAME != "host":
+        return 8
+    return 16 if llvm.get_host_cpu_features().get("avx512f") else 8
+
+
+FLOAT_LANES = float_lanes()
+
+
 # ---------------------------------------------------------------------------------------------------- float formats
 
 @intrinsic
@@ -163,33 +174,34 @@ def _float_lanes(builder, kind, p, n):
 
 
 def _transpose_sum(builder, vs):
-    """<16 x float> whose lane m is the sum of the lanes of vs[m] (16 vectors <16 x float>): pairs of vectors trade
-    halves of each member's lanes and add, 15 shuffle pairs and adds where 16 separate horizontal sums take 64."""
-    members = 1
-    while len(vs) > 1:
-        width = 16 // members  # lanes of each member of a vector at this level
+    """<16 x float> whose lane m is the sum of the lanes of vs[m] (16 vectors of L = 16 or 8 lanes): pairs of vectors
+    trade halves of each member's lanes and add, until a vector holds L members' sums (16 lanes: 15 shuffle pairs and
+    adds where 16 separate horizontal sums take 64)."""
+    L, members = vs[0].type.count, 1
+    while members < L:
+        width = L // members  # lanes of each member of a vector at this level
         half = width // 2
         lo = [j * width + k for j in range(members) for k in range(half)]
         hi = [i + half for i in lo]
-        vs = [builder.fadd(builder.shuffle_vector(a, b, _lanes(*lo, *[16 + i for i in lo])),
-                           builder.shuffle_vector(a, b, _lanes(*hi, *[16 + i for i in hi])), flags=("fast",))
+        vs = [builder.fadd(builder.shuffle_vector(a, b, _lanes(*lo, *[L + i for i in lo])),
+                           builder.shuffle_vector(a, b, _lanes(*hi, *[L + i for i in hi])), flags=("fast",))
               for a, b in zip(vs[0::2], vs[1::2])]
         members *= 2
-    return vs[0]
+    return vs[0] if len(vs) == 1 else _joined(builder, vs)
 
 
 def _float_tile(n_rows, rows, toks, ahead=()):
     """Typing and codegen of the n_rows x (16 / n_rows) products w_i . x_j of float-format rows and float32 tokens
     (contiguous, of one length), lane i (16 / n_rows) + j of the result: each row and token vector loaded once per
-    step of 16 elements for all its products, 16 accumulators of 16 lanes (zmm where the CPU has AVX-512: numba's
-    loop vectoriser stops at 8 lanes), summed together (_transpose_sum). Each step also hints the same offset of the
+    step for all its products, 16 accumulators of FLOAT_LANES lanes (16, zmm, where the CPU has AVX-512: numba's
+    loop vectoriser stops at 8), summed together (_transpose_sum). Each step also hints the same offset of the
     `ahead` rows (the rows the caller reads next) into L2: with 8 tokens a 4 x 4 tile reads its rows twice, and
     without the hints the bus idled through the second pass (into L1 the hints evicted the tokens)."""
     kind = float_kind(rows[0].dtype)
     if (kind is None or any(r.dtype != rows[0].dtype for r in rows) or any(x.dtype != types.float32 for x in toks)
             or any(a.ndim != 1 or a.layout != "C" for a in rows + toks)):
         return None
-    size, n_toks = (4 if kind == "f32" else 2), 16 // n_rows
+    size, n_toks, L = (4 if kind == "f32" else 2), 16 // n_rows, FLOAT_LANES
     ret = types.UniTuple(types.float32, 16)
 
     def codegen(context, builder, sig, args):
@@ -204,18 +216,18 @@ def _float_tile(n_rows, rows, toks, ahead=()):
             return ([_float_lanes(builder, kind, builder.gep(p, [builder.mul(k, I64(size))]), n) for p in wp],
                     [_float_lanes(builder, "f32", builder.gep(p, [builder.mul(k, I64(4))]), n) for p in xp])
 
-        def step(s, accs):  # 16 elements of every row and token
-            wv, xv = lanes(builder.mul(s, I64(16)), 16)
+        def step(s, accs):  # L elements of every row and token
+            wv, xv = lanes(builder.mul(s, I64(L)), L)
             for p in pp:  # the lines of the rows to come, at this step's offset
-                _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(p, [builder.mul(s, I64(16 * size))]),
+                _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(p, [builder.mul(s, I64(L * size))]),
                       I32(0), I32(2), I32(1))
             for m in range(16):
-                fma = _call(builder, "llvm.fma.v16f32", _vec(F32, 16), wv[m // n_toks], xv[m % n_toks],
+                fma = _call(builder, f"llvm.fma.v{L}f32", _vec(F32, L), wv[m // n_toks], xv[m % n_toks],
                             builder.extract_value(accs, m))
                 accs = builder.insert_value(accs, fma, m)
             return accs
 
-        def element(k, acc):  # one of the last K % 16 elements: lane m += w_(m / n_toks)[k] x_(m % n_toks)[k]
+        def element(k, acc):  # one of the last K % L elements: lane m += w_(m / n_toks)[k] x_(m % n_toks)[k]
             w1, x1 = lanes(k, 1)
             wv, xv = ir.Constant(_vec(F32, 16), None), ir.Constant(_vec(F32, 16), None)
             for m in range(16):
@@ -223,10 +235,11 @@ def _float_tile(n_rows, rows, toks, ahead=()):
                 xv = builder.insert_element(xv, builder.extract_element(x1[m % n_toks], I32(0)), I32(m))
             return _call(builder, "llvm.fma.v16f32", _vec(F32, 16), wv, xv, acc)
 
-        steps = builder.sdiv(K, I64(16))
-        accs = _block_loop(builder, steps, ir.Constant(ir.LiteralStructType([_vec(F32, 16)] * 16), [zero] * 16), step)
+        steps = builder.sdiv(K, I64(L))
+        acc0 = ir.Constant(_vec(F32, L), [0.0] * L)
+        accs = _block_loop(builder, steps, ir.Constant(ir.LiteralStructType([acc0.type] * 16), [acc0] * 16), step)
         sums = _transpose_sum(builder, [builder.extract_value(accs, m) for m in range(16)])
-        first = builder.mul(steps, I64(16))
+        first = builder.mul(steps, I64(L))
         tail = _block_loop(builder, builder.sub(K, first), zero, lambda i, a: element(builder.add(first, i), a))
         sums = builder.fadd(sums, tail, flags=("fast",))
         return context.make_tuple(builder, ret, [builder.extract_element(sums, I32(m)) for m in range(16)])

@@ -80,6 +80,32 @@ def forget_intrinsic_code(module):
                 template._overload_cache.clear()
 
 
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("K", [48, 37, 5])
+def test_float_tiles_in_every_width(monkeypatch, request, lanes, fmt, K):
+    """fast.quant.dot4x4 in 16-lane vectors (AVX-512) and 8-lane ones (other CPUs), steps and a tail, a tail alone,
+    against ref's values: lane 4 i + j = w_i . x_j."""
+    import numpy as np
+    from numba import njit
+
+    from fast import quant
+    from ref.quant import blocks, quantize, values
+    monkeypatch.setattr(quant, "FLOAT_LANES", lanes)
+    forget_intrinsic_code(quant)
+    request.addfinalizer(lambda: forget_intrinsic_code(quant))
+
+    @njit
+    def tile(w, x):
+        return quant.dot4x4(w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], w[1], w[2], w[3], w[0])
+
+    rng = np.random.default_rng(11)
+    w = blocks(quantize(rng.standard_normal((4, K)).astype(np.float32), fmt))
+    x = rng.standard_normal((4, K)).astype(np.float32)
+    want = values(w).astype(np.float64) @ x.astype(np.float64).T  # [4 rows, 4 tokens]
+    np.testing.assert_allclose(np.array(tile(w, x)), want.ravel(), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("isa", ["vnni512", "vnni", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_block_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
