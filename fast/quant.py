@@ -190,10 +190,10 @@ def _transpose_sum(builder, vs):
     return vs[0] if len(vs) == 1 else _joined(builder, vs)
 
 
-def _float_tile(n_rows, rows, toks, ahead=()):
-    """Typing and codegen of the n_rows x (16 / n_rows) products w_i . x_j of float-format rows and float32 tokens
-    (contiguous, of one length), lane i (16 / n_rows) + j of the result: each row and token vector loaded once per
-    step for all its products, 16 accumulators of FLOAT_LANES lanes (16, zmm, where the CPU has AVX-512: numba's
+def _float_tile(rows, toks, ahead):
+    """Typing and codegen of the 4 x 4 products w_i . x_j of four float-format rows and four float32 tokens
+    (contiguous, of one length), lane 4 i + j of the result: each row and token vector loaded once per step for all
+    its products, 16 accumulators of FLOAT_LANES lanes (16, zmm, where the CPU has AVX-512: numba's
     loop vectoriser stops at 8), summed together (_transpose_sum). Each step also hints the same offset of the
     `ahead` rows (the rows the caller reads next) into L2: with 8 tokens a 4 x 4 tile reads its rows twice, and
     without the hints the bus idled through the second pass (into L1 the hints evicted the tokens)."""
@@ -201,15 +201,13 @@ def _float_tile(n_rows, rows, toks, ahead=()):
     if (kind is None or any(r.dtype != rows[0].dtype for r in rows) or any(x.dtype != types.float32 for x in toks)
             or any(a.ndim != 1 or a.layout != "C" for a in rows + toks)):
         return None
-    size, n_toks, L = (4 if kind == "f32" else 2), 16 // n_rows, FLOAT_LANES
+    size, L = (4 if kind == "f32" else 2), FLOAT_LANES
     ret = types.UniTuple(types.float32, 16)
 
     def codegen(context, builder, sig, args):
         arrays = [context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args)]
-        K = cgutils.unpack_tuple(builder, arrays[n_rows].shape)[0]
-        wp = [builder.bitcast(a.data, I8.as_pointer()) for a in arrays[:n_rows]]
-        xp = [builder.bitcast(a.data, I8.as_pointer()) for a in arrays[n_rows:n_rows + len(toks)]]
-        pp = [builder.bitcast(a.data, I8.as_pointer()) for a in arrays[n_rows + len(toks):]]
+        K = cgutils.unpack_tuple(builder, arrays[4].shape)[0]
+        wp, xp, pp = ([builder.bitcast(a.data, I8.as_pointer()) for a in arrays[k:k + 4]] for k in (0, 4, 8))
         zero = ir.Constant(_vec(F32, 16), [0.0] * 16)
 
         def lanes(k, n):  # elements k .. k + n - 1 of each row and token
@@ -222,17 +220,17 @@ def _float_tile(n_rows, rows, toks, ahead=()):
                 _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(p, [builder.mul(s, I64(L * size))]),
                       I32(0), I32(2), I32(1))
             for m in range(16):
-                fma = _call(builder, f"llvm.fma.v{L}f32", _vec(F32, L), wv[m // n_toks], xv[m % n_toks],
+                fma = _call(builder, f"llvm.fma.v{L}f32", _vec(F32, L), wv[m // 4], xv[m % 4],
                             builder.extract_value(accs, m))
                 accs = builder.insert_value(accs, fma, m)
             return accs
 
-        def element(k, acc):  # one of the last K % L elements: lane m += w_(m / n_toks)[k] x_(m % n_toks)[k]
+        def element(k, acc):  # one of the last K % L elements: lane m += w_(m / 4)[k] x_(m % 4)[k]
             w1, x1 = lanes(k, 1)
             wv, xv = ir.Constant(_vec(F32, 16), None), ir.Constant(_vec(F32, 16), None)
             for m in range(16):
-                wv = builder.insert_element(wv, builder.extract_element(w1[m // n_toks], I32(0)), I32(m))
-                xv = builder.insert_element(xv, builder.extract_element(x1[m % n_toks], I32(0)), I32(m))
+                wv = builder.insert_element(wv, builder.extract_element(w1[m // 4], I32(0)), I32(m))
+                xv = builder.insert_element(xv, builder.extract_element(x1[m % 4], I32(0)), I32(m))
             return _call(builder, "llvm.fma.v16f32", _vec(F32, 16), wv, xv, acc)
 
         steps = builder.sdiv(K, I64(L))
@@ -255,7 +253,7 @@ def dot4x4(typingctx, w0, w1, w2, w3, x0, x1, x2, x3, p0, p1, p2, p3):
     Against numba's loop (8 lanes, 16 horizontal sums), 2 threads, in one process: [16, 256] x [4096, 256] f16 0.20
     -> 0.15 ms, f32 0.19 -> 0.18; [8, 2048] x [32000, 2048] f16 6.5 -> 5.3 ms, f32 11.4 -> 10.0 (bus 35 GB/s);
     [4, 2048] x [32000, 2048] f16 3.9 -> 2.6."""
-    return _float_tile(4, (w0, w1, w2, w3), (x0, x1, x2, x3), (p0, p1, p2, p3))
+    return _float_tile((w0, w1, w2, w3), (x0, x1, x2, x3), (p0, p1, p2, p3))
 
 
 # ---------------------------------------------------------------------------------------------------- block formats (IR)
