@@ -454,7 +454,7 @@ def _dot_t_codegen(fmt, n_tokens):
                 xv = _read(builder, builder.gep(xp0, [builder.mul(tb, I64(BLOCK))]), _vec(I8, 32))
                 dot = _int_dot_with(builder, operand, xv, builder.load(builder.gep(sp0, [tb]), align=4))
                 d = builder.fmul(dw, builder.load(builder.gep(dp0, [tb])))
-                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), _splat8(builder, d), flags=("fast",))
+                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), _broadcast(builder, d), flags=("fast",))
                 out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, i), term, flags=("fast",)), i)
             return out
 
@@ -550,12 +550,6 @@ def _item_blocks(builder, fmt, runs, p):
     return [((lambda j=j: raw(j)), builder.extract_element(d8, I32(j))) for j in range(RUN)]
 
 
-def _splat32(builder, v):
-    """<32 x float> of the float32 scalar v."""
-    undef = ir.Constant(_vec(F32, 32), None)
-    return builder.shuffle_vector(builder.insert_element(undef, v, I32(0)), undef, _lanes(*[0] * 32))
-
-
 def _axpy_t_codegen(fmt, runs, n_tokens):
     """y[t_k] += a_k dequant(w) for `n_tokens` tokens' rows of y [T, K], each block of w (blocks or runs)
     dequantized once."""
@@ -581,7 +575,7 @@ def _axpy_t_codegen(fmt, runs, n_tokens):
                 for start, a in zip(starts, as_):
                     yp = builder.bitcast(builder.gep(yp0, [builder.add(start, builder.mul(b, I64(BLOCK)))]),
                                          _vec(F32, 32).as_pointer())
-                    sv = _splat32(builder, builder.fmul(a, d))
+                    sv = _broadcast(builder, builder.fmul(a, d), 32)
                     builder.store(builder.fadd(builder.load(yp, align=4), builder.fmul(q, sv, flags=("fast",)),
                                                flags=("fast",)), yp, align=4)
             return carried
@@ -632,7 +626,7 @@ def _axpy_codegen(fmt, runs, rows):
                 for a, blocks_ in zip(a_, items):
                     raw, d = blocks_[j]
                     q = _values(builder, fmt, raw())
-                    y = builder.fadd(y, builder.fmul(q, _splat32(builder, builder.fmul(a, d)), flags=("fast",)),
+                    y = builder.fadd(y, builder.fmul(q, _broadcast(builder, builder.fmul(a, d), 32), flags=("fast",)),
                                      flags=("fast",))
                 builder.store(y, yp, align=4)
             return carried
@@ -669,7 +663,7 @@ def _dpbusd(builder, acc, a, b):
     return builder.add(acc, builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3])))
 
 
-def _splat8(builder, v, n=8):
+def _broadcast(builder, v, n=8):
     """<n x v.type> of the scalar v."""
     undef = ir.Constant(_vec(v.type, n), None)
     return builder.shuffle_vector(builder.insert_element(undef, v, I32(0)), undef, _lanes(*[0] * n))
@@ -706,14 +700,14 @@ def _token_block(builder, xp, dp, sp, b, shared, n=8):
     xw = builder.bitcast(builder.gep(xp, [builder.mul(b, I64(BLOCK))]), I32.as_pointer())
 
     def word(k):
-        return _splat8(builder, builder.load(builder.gep(xw, [I64(k)]), align=1), n)
+        return _broadcast(builder, builder.load(builder.gep(xw, [I64(k)]), align=1), n)
     if shared:
         loaded = [word(k) for k in range(8)]
         words = loaded.__getitem__
     else:
         words = word
-    corr = _splat8(builder, builder.load(builder.gep(sp, [builder.mul(b, I64(8))])), n)
-    return words, corr, _splat8(builder, builder.load(builder.gep(dp, [b])), n)
+    corr = _broadcast(builder, builder.load(builder.gep(sp, [builder.mul(b, I64(8))])), n)
+    return words, corr, _broadcast(builder, builder.load(builder.gep(dp, [b])), n)
 
 
 def _token_run(builder, xp, dp, sp, r, shared):
@@ -908,8 +902,9 @@ def q8_0_block(typingctx, q, start, stride, v, first):
         d = builder.fdiv(amax, ir.Constant(F32, 127.0))
         inv = builder.select(builder.fcmp_ordered("==", d, ir.Constant(F32, 0.0)), ir.Constant(F32, 0.0),
                              builder.fdiv(ir.Constant(F32, 1.0), d))
-        scaled = builder.fmul(vals, _splat32(builder, inv))
-        rounded = _call(builder, "llvm.floor.v32f32", v32, builder.fadd(fabs(scaled), _splat32(builder, ir.Constant(F32, 0.5))))
+        scaled = builder.fmul(vals, _broadcast(builder, inv, 32))
+        half = _broadcast(builder, ir.Constant(F32, 0.5), 32)
+        rounded = _call(builder, "llvm.floor.v32f32", v32, builder.fadd(fabs(scaled), half))
         qv = builder.fptosi(_call(builder, "llvm.copysign.v32f32", v32, rounded, scaled), _vec(I8, 32))
         total = _call(builder, "llvm.vector.reduce.add.v32i32", I32, builder.sext(qv, _vec(I32, 32)))
         words = builder.bitcast(qv, _vec(I32, 8))

@@ -58,11 +58,17 @@ def with_isa(monkeypatch, request, isa):
             "vnni": feats.get("avxvnni") or feats.get("avx512vnni"), "avx2": feats.get("avx2"), "generic": True}
     if not runs[isa]:
         pytest.skip(f"this CPU cannot run {isa}")
-    monkeypatch.setattr(quant, "ISA", "vnni" if isa == "vnni512" else isa)
-    monkeypatch.setattr(quant, "WIDE", isa == "vnni512")
-    forget_intrinsic_code(quant)
-    request.addfinalizer(lambda: forget_intrinsic_code(quant))  # nothing compiled later keeps this ISA's code
-    return quant
+    return generating(monkeypatch, request, quant, ISA="vnni" if isa == "vnni512" else isa, WIDE=isa == "vnni512")
+
+
+def generating(monkeypatch, request, module, **settings):
+    """The module with `settings` in force for the code its intrinsics generate from now on, in this test only:
+    their cached code is forgotten now and again at teardown, so that nothing compiled later keeps it."""
+    for name, value in settings.items():
+        monkeypatch.setattr(module, name, value)
+    forget_intrinsic_code(module)
+    request.addfinalizer(lambda: forget_intrinsic_code(module))
+    return module
 
 
 def forget_intrinsic_code(module):
@@ -91,9 +97,7 @@ def test_float_tiles_in_every_width(monkeypatch, request, lanes, fmt, K):
 
     from fast import quant
     from ref.quant import blocks, quantize, values
-    monkeypatch.setattr(quant, "FLOAT_LANES", lanes)
-    forget_intrinsic_code(quant)
-    request.addfinalizer(lambda: forget_intrinsic_code(quant))
+    generating(monkeypatch, request, quant, FLOAT_LANES=lanes)
 
     @njit
     def tile(w, x):
