@@ -886,6 +886,9 @@ def run_dot2t(typingctx, w, x, xd, xs, reach, t0, t1):
     return types.UniTuple(types.float32, 2)(w, x, xd, xs, reach, t0, t1), _dot8_codegen(fmt, 1, 2, runs=True)
 
 
+EXACT = ("nsz",)  # a fast-math flag that changes no rounding: numba's fastmath pass leaves flagged instructions alone
+
+
 @intrinsic
 def q8_0_block(typingctx, q, start, stride, v, first):
     """(d, sum q_i) of the Q8_0 block of 32 float32 values v (a contiguous [32]; ref.quant.quantize_q8_0: d = amax /
@@ -899,12 +902,14 @@ def q8_0_block(typingctx, q, start, stride, v, first):
         vals = _read(builder, builder.bitcast(vp, I8.as_pointer()), v32)
         fabs = lambda a: _call(builder, "llvm.fabs.v32f32", v32, a)  # noqa: E731
         amax = _call(builder, "llvm.vector.reduce.fmax.v32f32", F32, fabs(vals))
-        d = builder.fdiv(amax, ir.Constant(F32, 127.0))
-        inv = builder.select(builder.fcmp_ordered("==", d, ir.Constant(F32, 0.0)), ir.Constant(F32, 0.0),
-                             builder.fdiv(ir.Constant(F32, 1.0), d))
-        scaled = builder.fmul(vals, _broadcast(builder, inv, 32))
+        # exact IEEE steps inside fastmath kernels too: numba's fastmath pass marks only float instructions that carry
+        # no flag, and 'fast' ones (arcp's 1 / d, a fused a x + 1/2) flip quants that sit within ulps of a half
+        d = builder.fdiv(amax, ir.Constant(F32, 127.0), flags=EXACT)
+        inv = builder.select(builder.fcmp_ordered("==", d, ir.Constant(F32, 0.0), flags=EXACT), ir.Constant(F32, 0.0),
+                             builder.fdiv(ir.Constant(F32, 1.0), d, flags=EXACT))
+        scaled = builder.fmul(vals, _broadcast(builder, inv, 32), flags=EXACT)
         half = _broadcast(builder, ir.Constant(F32, 0.5), 32)
-        rounded = _call(builder, "llvm.floor.v32f32", v32, builder.fadd(fabs(scaled), half))
+        rounded = _call(builder, "llvm.floor.v32f32", v32, builder.fadd(fabs(scaled), half, flags=EXACT))
         qv = builder.fptosi(_call(builder, "llvm.copysign.v32f32", v32, rounded, scaled), _vec(I8, 32))
         total = _call(builder, "llvm.vector.reduce.add.v32i32", I32, builder.sext(qv, _vec(I32, 32)))
         words = builder.bitcast(qv, _vec(I32, 8))

@@ -260,3 +260,32 @@ def test_exp_le0_is_exp_to_an_ulp():
     deep = np.float32([-88.0, -100.0, -np.inf])
     exps(out[:3], deep)
     assert np.all(out[:3] == out[-1]) and 0 < out[-1] < 1e-37  # exp(-87): nothing beside a softmax's 1
+
+
+def test_input_rounding_is_exact_inside_fastmath_kernels():
+    """The kernels are compiled with fastmath, whose pass marks every unflagged float instruction 'fast': the Q8_0
+    rounding of their input (quantize_input, round_q8_0) must still be ref.quant.quantize_q8_0's to the byte, on
+    values whose q = roundf(v / d) sits within ulps of a half (arcp's 1/d or a fused multiply-add flips them)."""
+    import numpy as np
+    from numba import njit
+
+    from fast import quant
+    from fast.cpu import FASTMATH
+    from ref.quant import blocks, quantize, quantize_q8_0
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((64, 32)).astype(np.float32)  # [blocks, 32]
+    d = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)
+    half = (rng.integers(0, 126, size=x.shape) + np.float32(0.5)).astype(np.float32)
+    near = (half * d * np.where(rng.random(x.shape) < 0.5, 1, -1)).astype(np.float32)
+    near = (near.view(np.int32) + rng.integers(-3, 4, size=x.shape, dtype=np.int32)).view(np.float32)  # +-3 ulps
+    amax = np.abs(x).argmax(axis=1)
+    near[np.arange(64), amax] = x[np.arange(64), amax]  # each block keeps its scale
+    near = near.reshape(8, 256)  # 8 tokens of 8 blocks
+
+    @njit(fastmath=FASTMATH)
+    def quants(x, w):
+        return quant.quantize_input(x, w)[0]
+
+    want = quantize_q8_0(near.reshape(-1, 32))[:, 2:].view(np.int8).reshape(8, 256)
+    w = blocks(quantize(np.zeros((1, 256), np.float32), "q8_0"))[0]
+    assert np.array_equal(quants(near, w), want)
