@@ -462,6 +462,71 @@ def pre_activations(b, bias, i, x, xq, xd, xs):
     return g, u
 
 
+@njit(inline="always")
+def gate_open(kind, g, thr):
+    """Whether a(g, u) (activation) can be nonzero whatever u is: ReLU and dReLU need g > 0, FATReLU g > thr; the
+    smooth kinds always."""
+    if kind == 0 or kind == 2:
+        return g > 0
+    if kind == 1:
+        return g > thr
+    return True
+
+
+@njit(inline="always")
+def queue_up(gates, ids, m, g, i, bundle, span):
+    """Neuron i, whose gate g is open, joins the neurons whose up rows are read next (gates, ids [12]: m of them);
+    its up row is hinted now. -> m + 1."""
+    gates[m], ids[m] = g, i
+    prefetch_rows(bundle, i, 1, 2, span)
+    return m + 1
+
+
+@njit(inline="always")
+def queue_down(acts, ids, n, a, i):
+    """Neuron i with activation a joins the neurons whose down rows are added next (acts, ids [12]: n of them),
+    unless a is 0: it adds nothing. -> n."""
+    acts[n], ids[n] = a, i
+    return n + (a != 0)
+
+
+@njit(inline="always")
+def gated(gates, up_ids, m, acts, ids, n, g, i, bundle, bias, span, kind, thr):
+    """Neuron i after its first row's product g: a gated neuron whose gate is open waits for its up row (queue_up),
+    a non-gated one's activation a(g + bias_i, 1) for its down row (queue_down). -> (m, n)."""
+    if bundle.shape[1] == 3:
+        if gate_open(kind, g, thr):
+            m = queue_up(gates, up_ids, m, g, i, bundle, span)
+        return m, n
+    return m, queue_down(acts, ids, n, activation(kind, g + bias[i] if bias.size else g, np.float32(1.0), thr), i)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq, xd, xs, kind, thr):
+    """The four oldest of the m >= 4 waiting up rows read at once, their neurons' activations queued for their down
+    rows. -> (m - 4, n)."""
+    u0, u1, u2, u3 = dot4(bundle[up_ids[0], 1], bundle[up_ids[1], 1], bundle[up_ids[2], 1], bundle[up_ids[3], 1], x,
+                          xq, xd, xs)
+    n = queue_down(acts, ids, n, activation(kind, gates[0], u0, thr), up_ids[0])
+    n = queue_down(acts, ids, n, activation(kind, gates[1], u1, thr), up_ids[1])
+    n = queue_down(acts, ids, n, activation(kind, gates[2], u2, thr), up_ids[2])
+    n = queue_down(acts, ids, n, activation(kind, gates[3], u3, thr), up_ids[3])
+    for k in range(4, m):
+        gates[k - 4], up_ids[k - 4] = gates[k], up_ids[k]
+    return m - 4, n
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def add_down4(y, acts, ids, n, bundle):
+    """y += a_i down_i for the four oldest of the n >= 4 waiting down rows, read at once. -> n - 4."""
+    P = bundle.shape[1]
+    axpy4(y, acts[0], acts[1], acts[2], acts[3], bundle[ids[0], P - 1], bundle[ids[1], P - 1], bundle[ids[2], P - 1],
+          bundle[ids[3], P - 1])
+    for k in range(4, n):
+        acts[k - 4], ids[k - 4] = acts[k], ids[k]
+    return n - 4
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     """out = sum_{j < n_active} a_i down_i, i = active[j], a_i = a(g_i, u_i) (pre_activations): PowerInfer's
@@ -469,14 +534,14 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
 
     out: [D]; acc: [C, D] per-chunk private accumulators; x: [D]; bundle: [F, 3, D] (gate, up, down^T) or [F, 2, D]
     (a non-gated FFN's up, down^T); bias: [F] the non-gated up rows' bias, or [0]; active: [>= n_active].
-    Four neurons stream at once, one from each quarter of the chunk (STREAMS), in passes over their gate rows, up
-    rows and down rows so that each stream reads its bundles front to back: +3 % over all neurons and +6 % over a
-    10 % set against gate and up in one pass. A lane whose next neuron is not adjacent prefetches the first line of
-    its rows but the down row, which the hardware prefetcher cannot guess: +5 % over a 10 % set (prefetching adjacent
-    ones: -3 %; the down row too: -6 % where half the neurons fire).
-    A neuron whose activation is 0 (ReLU's zeros in a dense FFN, a predicted neuron that does not fire) adds
-    nothing, so its down row is not read: the others' rows are hinted as soon as their activations are known and read
-    a step later, four at a time (TinyLlama's 22 layers at 10 %, 2 threads: q8_0 3.7 -> 3.5 ms, q4_0 -1 to -3 %).
+    Four neurons stream at once, one from each quarter of the chunk (STREAMS), their gate rows first (+3 % over all
+    neurons and +6 % over a 10 % set against gate and up in one pass). A lane whose next neuron is not adjacent
+    prefetches its gate row (+5 % over a 10 % set; prefetching adjacent ones: -3 %).
+    The rest of a bundle is read only where it adds something, four rows at a time, each row hinted as soon as it
+    is known to be needed and read a step later: a gated neuron's up row where its gate is open (gate_open: a
+    predicted neuron whose ReLU gate is shut has a = 0 whatever u is), its down row where a != 0 (ReLU's zeros in a
+    dense FFN, a predicted neuron that does not fire; TinyLlama's 22 layers at 10 %, 2 threads: q8_0 3.7 -> 3.5 ms,
+    q4_0 -1 to -3 %).
     """
     C, D = acc.shape
     P = bundle.shape[1]
@@ -489,48 +554,45 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
         y = acc[c]
         for d in range(D):
             y[d] = 0.0
+        gates, up_ids = np.empty(12, np.float32), np.empty(12, np.int64)  # up rows waiting to be read, < 12
         acts, ids = np.empty(12, np.float32), np.empty(12, np.int64)  # down rows waiting to be read, < 12
-        n = 0
+        m = n = 0
         fired = 0  # acts[:fired] hinted already
         for j in range(lo, lo + q):
             i0, i1, i2, i3 = active[j], active[j + q], active[j + 2 * q], active[j + 3 * q]
-            if j + 1 < lo + q:  # each lane's next bundle, unless it is the adjacent one
+            if j + 1 < lo + q:  # each lane's next gate row, unless it is the adjacent one
                 for k in range(4):
                     nxt = active[j + 1 + k * q]
-                    if nxt != active[j + k * q] + 1:  # not the down row, read only where the neuron fires
-                        prefetch_rows(bundle, nxt, 0, P - 1, span)
-            b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]  # [P, D] each
-            g0, g1, g2, g3 = dot4(b0[0], b1[0], b2[0], b3[0], x, xq0, xd0, xs0)
-            if bias.size:
-                g0, g1, g2, g3 = g0 + bias[i0], g1 + bias[i1], g2 + bias[i2], g3 + bias[i3]
-            one = np.float32(1.0)
-            u0, u1, u2, u3 = dot4(b0[1], b1[1], b2[1], b3[1], x, xq0, xd0, xs0) if P == 3 else (one, one, one, one)
-            acts[n], ids[n] = activation(kind, g0, u0, thr), i0
-            n += acts[n] != 0
-            acts[n], ids[n] = activation(kind, g1, u1, thr), i1
-            n += acts[n] != 0
-            acts[n], ids[n] = activation(kind, g2, u2, thr), i2
-            n += acts[n] != 0
-            acts[n], ids[n] = activation(kind, g3, u3, thr), i3
-            n += acts[n] != 0
+                    if nxt != active[j + k * q] + 1:
+                        prefetch_rows(bundle, nxt, 0, 1, span)
+            g0, g1, g2, g3 = dot4(bundle[i0, 0], bundle[i1, 0], bundle[i2, 0], bundle[i3, 0], x, xq0, xd0, xs0)
+            m, n = gated(gates, up_ids, m, acts, ids, n, g0, i0, bundle, bias, span, kind, thr)
+            m, n = gated(gates, up_ids, m, acts, ids, n, g1, i1, bundle, bias, span, kind, thr)
+            m, n = gated(gates, up_ids, m, acts, ids, n, g2, i2, bundle, bias, span, kind, thr)
+            m, n = gated(gates, up_ids, m, acts, ids, n, g3, i3, bundle, bias, span, kind, thr)
+            if m >= 8:
+                m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
             for k in range(fired, n):  # a down row that adds something, hinted a step before it is read
                 prefetch_rows(bundle, ids[k], P - 1, P, span)
-            if n >= 8:  # the four oldest down rows, read at once
-                axpy4(y, acts[0], acts[1], acts[2], acts[3], bundle[ids[0], P - 1], bundle[ids[1], P - 1],
-                      bundle[ids[2], P - 1], bundle[ids[3], P - 1])
-                for k in range(4, n):
-                    acts[k - 4], ids[k - 4] = acts[k], ids[k]
-                n -= 4
+            if n >= 8:
+                n = add_down4(y, acts, ids, n, bundle)
             fired = n
-        for j in range(lo + 4 * q, hi):
-            b = bundle[active[j]]
-            g, u = pre_activations(b, bias, active[j], x, xq0, xd0, xs0)
-            acts[n], ids[n] = activation(kind, g, u, thr), active[j]
-            n += acts[n] != 0
-        for k in range(0, n - 3, 4):
-            axpy4(y, acts[k], acts[k + 1], acts[k + 2], acts[k + 3], bundle[ids[k], P - 1], bundle[ids[k + 1], P - 1],
-                  bundle[ids[k + 2], P - 1], bundle[ids[k + 3], P - 1])
-        for k in range(n - n % 4, n):
+        for j in range(lo + 4 * q, hi):  # the chunk's last neurons, one at a time
+            i = active[j]
+            m, n = gated(gates, up_ids, m, acts, ids, n, dot(bundle[i, 0], x, xq0, xd0, xs0), i, bundle, bias, span,
+                         kind, thr)
+        while m >= 4:
+            m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
+            if n >= 8:
+                n = add_down4(y, acts, ids, n, bundle)
+        for k in range(m):
+            n = queue_down(acts, ids, n, activation(kind, gates[k], dot(bundle[up_ids[k], 1], x, xq0, xd0, xs0), thr),
+                           up_ids[k])
+            if n >= 8:
+                n = add_down4(y, acts, ids, n, bundle)
+        while n >= 4:
+            n = add_down4(y, acts, ids, n, bundle)
+        for k in range(n):
             axpy(y, acts[k], bundle[ids[k], P - 1])
     sum_chunks(out, acc)
 
