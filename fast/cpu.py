@@ -617,6 +617,93 @@ TILE_SHARE = 0.45  # pairs of (token, union neuron) computed, from which a float
 
 
 def ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
+    """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), in tiles of four
+    neurons by four tokens: every token's gate and up products (dot4x4), the activations of those outside a token's
+    set zeroed, and the four down rows (decoded once to float32) added for the four tokens at once (axpy4x4). Float
+    formats only."""
+
+
+@overload(ffn_tiles)
+def _ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
+    if not is_float(bundle):
+        return lambda y, x, bundle, bias, active, lo, hi, mask, kind, thr: None
+
+    def tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
+        T, P, D = x.shape[0], bundle.shape[1], x.shape[1]
+        a = np.zeros(16, np.float32)  # a[4 n + k]: neuron n of the four, token k of the four
+        g, u = np.empty(16, np.float32), np.ones(16, np.float32)  # gate and up products (u: 1 where there is none)
+        down = np.empty((4, D), np.float32)  # the four down rows as float32, decoded once for all tokens
+        for j in range(lo, hi - 3, 4):
+            i0, i1, i2, i3 = active[j], active[j + 1], active[j + 2], active[j + 3]
+            b0, b1, b2, b3 = bundle[i0], bundle[i1], bundle[i2], bundle[i3]
+            nx = min(j + 4, hi - 4)  # the next four neurons, whose gate rows the up products prefetch
+            n0, n1, n2, n3 = bundle[active[nx]], bundle[active[nx + 1]], bundle[active[nx + 2]], bundle[active[nx + 3]]
+            for n in range(4):
+                row = bundle[active[j + n], P - 1]
+                for d in range(D):
+                    down[n, d] = load(row, d)
+            for t in range(0, T, 4):
+                k4 = min(4, T - t)  # tokens in this group: four, or the tail
+                if not mask[t:t + k4, j:j + 4].any():
+                    continue
+                if k4 == 4:
+                    x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+                    put16(g, dot4x4(b0[0], b1[0], b2[0], b3[0], x0, x1, x2, x3, b0[1], b1[1], b2[1], b3[1]))
+                    if P == 3:
+                        put16(u, dot4x4(b0[1], b1[1], b2[1], b3[1], x0, x1, x2, x3, n0[0], n1[0], n2[0], n3[0]))
+                else:  # tail tokens: the four neurons at once against each
+                    for k in range(k4):
+                        xk = x[t + k]
+                        g[k], g[4 + k], g[8 + k], g[12 + k] = dot4(b0[0], b1[0], b2[0], b3[0], xk, xk, xk, xk)
+                        if P == 3:
+                            u[k], u[4 + k], u[8 + k], u[12 + k] = dot4(b0[1], b1[1], b2[1], b3[1], xk, xk, xk, xk)
+                for n in range(4):
+                    bn = bias[active[j + n]] if bias.size else np.float32(0.0)
+                    for k in range(4):
+                        a[4 * n + k] = activation(kind, g[4 * n + k] + bn, u[4 * n + k], thr) \
+                            if k < k4 and mask[t + k, j + n] else np.float32(0.0)
+                if k4 == 4:
+                    axpy4x4(y, t, a, down[0], down[1], down[2], down[3])
+                else:
+                    for k in range(k4):
+                        axpy4(y[t + k], a[k], a[4 + k], a[8 + k], a[12 + k], down[0], down[1], down[2], down[3])
+        for j in range(hi - (hi - lo) % 4, hi):  # fewer than four neurons left: a token at a time
+            b = bundle[active[j]]
+            for t in range(T):
+                if mask[t, j]:
+                    gj, uj = pre_activations(b, bias, active[j], x[t], x[t], x[t], x[t])
+                    axpy(y[t], activation(kind, gj, uj, thr), b[P - 1])
+
+    return tiles
+
+
+def tiled(bundle):
+    """Whether sparse_ffn_batch may run a bundle's rows in tiles (ffn_tiles): float formats."""
+
+
+@overload(tiled)
+def _tiled(bundle):
+    return (lambda bundle: True) if is_float(bundle) else (lambda bundle: False)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def row_products(out, w, x, xq, xd, xs, tokens, n):
+    """out[k] = w . x[tokens[k]] for k < n: four tokens at a time (dot4t: the row read once for four), then two,
+    then one."""
+    for k in range(0, n - 3, 4):
+        out[k], out[k + 1], out[k + 2], out[k + 3] = dot4t(w, x, xq, xd, xs, tokens[k], tokens[k + 1], tokens[k + 2],
+                                                           tokens[k + 3])
+    k = n - n % 4
+    if n - k >= 2:
+        out[k], out[k + 1] = dot2t(w, x, xq, xd, xs, tokens[k], tokens[k + 1])
+        k += 2
+    if k < n:
+        t = tokens[k]
+        out[k] = dot(w, x[t], xq[t], xd[t], xs[t])
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, span):
     """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), a neuron at a
     time: its tokens four at a time (each row element loaded once for four tokens). Block formats read the gate row,
     then the up row only against the tokens whose gate is open (gate_open: TinyLlama's shape, 8 sequences, 2
