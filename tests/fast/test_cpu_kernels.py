@@ -264,7 +264,7 @@ def test_exp_le0_is_exp_to_an_ulp():
 
 def test_input_rounding_is_exact_inside_fastmath_kernels():
     """The kernels are compiled with fastmath, whose pass marks every unflagged float instruction 'fast': the Q8_0
-    rounding of their input (quantize_input, round_q8_0) must still be ref.quant.quantize_q8_0's to the byte, on
+    rounding of their input (quantize_input's q8_0_block) must still be ref.quant.quantize_q8_0's to the byte, on
     values whose q = roundf(v / d) sits within ulps of a half (arcp's 1/d or a fused multiply-add flips them)."""
     import numpy as np
     from numba import njit
