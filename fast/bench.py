@@ -78,6 +78,8 @@ class SyntheticSelector(Selector):
     neuron frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1. Each call draws the
     next of `pool` pre-drawn sets of the layer, so the tokens of a batch get different sets."""
 
+    ahead = True  # the pick ignores the logits
+
     def __init__(self, pred: Predictors, cfg: ModelConfig, sparsity: float, seed: int = 0, pool: int = 128,
                  alpha: float = 1.0):
         super().__init__(cfg.d_ffn, pred, 0.0)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from numba import typeof
 from numba.typed import List
 from threadpoolctl import threadpool_limits
 
@@ -137,6 +138,13 @@ class Selector(sparse.Selector):
             self.hidden = np.empty(max(n_rows(a) for a in self.fc1), F32)
         self.threshold = F32(threshold)
         self.logits, self.active = np.empty(d_ffn, F32), np.empty(d_ffn, np.int32)
+
+    ahead = False  # a subclass whose pick ignores the logits (sets drawn in advance): a step may ask before it runs
+
+    def given_sets(self, n_layers: int) -> list[np.ndarray] | None:
+        """One token's sets of every layer before its predictor runs, where the pick does not read the logits (no
+        predictor: every neuron; a subclass's `ahead` pick); None where the predictor's threshold decides."""
+        return [self.pick(l, None) for l in range(n_layers)] if not self.predicts or self.ahead else None
 
     @property
     def by_threshold(self) -> bool:
@@ -299,13 +307,22 @@ class Engine(Decoder):
     def slot_views(cache: KVCache, l: int):
         """Layer l's slot arrays as numba typed lists (an empty array for a free slot), kept with the cache and
         rebuilt only when its arrays change (cache.version)."""
+        return Engine.typed_views(cache)[1][l]
+
+    @staticmethod
+    def layer_views(cache: KVCache):
+        """Every layer's slot_views as two typed lists, keys and values: [l][seq] -> [room, K, E]."""
+        return Engine.typed_views(cache)[2]
+
+    @staticmethod
+    def typed_views(cache: KVCache):
         views = getattr(cache, "typed_views", None)
         if views is None or views[0] != cache.version:
             empty = np.zeros((0, *cache.shape), F32)
             lists = [tuple(List([a if a is not None else empty for a in arrays[i]]) for arrays in (cache.k, cache.v))
                      for i in range(len(cache.k))]
-            views = cache.typed_views = (cache.version, lists)
-        return views[1][l]
+            views = cache.typed_views = (cache.version, lists, tuple(List(kv) for kv in zip(*lists)))
+        return views
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
         """y = sum over the active set of a_i Wd[:, i] (+ bd), the set chosen per token by the selector from the block
@@ -354,13 +371,55 @@ class Engine(Decoder):
         return y
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run."""
+        """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run. One token: every block
+        in one compiled call (cpu.decode_step) where the layout and the selector allow it."""
         runs = check_batch(batch, cache, self.config)
         h = self.embed_tokens(batch)  # [T, D]
-        for l in range(self.config.n_layers):
-            self.block(l, h, batch, cache)
+        lists = self.step_lists() if len(batch.tokens) == 1 else None
+        if lists is not None:
+            self.decode_step(h, batch, cache, lists)
+        else:
+            for l in range(self.config.n_layers):
+                self.block(l, h, batch, cache)
         advance(cache, runs)
         return self.output(np.ascontiguousarray(h[batch.output_rows()]))
+
+    def step_lists(self) -> tuple | None:
+        """The per-layer arrays cpu.decode_step reads, as typed lists (its norms, attn, ffn, preds), kept until a
+        transform replaces an array or the selector; None where the step does not apply: the dense layout
+        (dense_ffn), or a selector whose own pick reads the logits."""
+        sel, c = self.selector, self.config
+        if self.layers[0].gate_up is not None or (sel.predicts and not sel.by_threshold and not sel.ahead):
+            return None
+        key = (sel, *(getattr(L, f) for L in self.layers for f in STEP_FIELDS))
+        kept = getattr(self, "_step", None)
+        if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
+            return kept[1]
+
+        def lists(values):
+            values = list(values)
+            return List(values) if values else List.empty_list(typeof(EMPTY.reshape(0, 0)))
+
+        norms = [self.norm_weights(L, ATTN_NORM) for L in self.layers], [self.norm_weights(L, FFN_NORM)
+                                                                          for L in self.layers]
+        post = [(L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
+                for L in self.layers]
+        out = (tuple(lists(v) for v in (*zip(*norms[0]), *zip(*norms[1]), *zip(*post))),
+               tuple(lists(getattr(L, f) for L in self.layers) for f in ("wqkv", "bqkv", "wo", "bo")),
+               tuple(lists(getattr(L, f) for L in self.layers) for f in ("bundle", "bu", "bd")),
+               (lists(sel.fc1), lists(sel.fc2)) if sel.predicts else (lists([]), lists([])))
+        self._step = (key, out)
+        return out
+
+    def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, lists: tuple) -> None:
+        """Every block for one token h [1, D], in place, as cpu.decode_step."""
+        sel, seq = self.selector, batch.seqs[0]
+        given = sel.given_sets(self.config.n_layers)
+        given = List(given) if given else List.empty_list(typeof(sel.all))
+        k_caches, v_caches = self.layer_views(cache)
+        cpu.decode_step(h, *lists, k_caches, v_caches, seq, batch.positions[0], self.cos, self.sin,
+                        F32(self.config.norm_eps), sel.threshold, given, self.acc, self.kind, self.thr,
+                        cpu.BLOCKS[self.config.block])
 
     def embed_tokens(self, batch: Batch) -> np.ndarray:
         """The residual stream entering layer 0 (ref.model's embed): embeddings, projected where narrower, plus the
@@ -409,6 +468,9 @@ def parallel_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCach
     h += e.attention_block(l, h, batch, cache)
     h += y
 
+
+# The Layer arrays cpu.decode_step reads: a transform that replaces one rebuilds Engine.step_lists.
+STEP_FIELDS = ("attn_norm", "attn_norm_b", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "ffn_norm_b", "bundle", "bu", "bd")
 
 BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "parallel": parallel_block,
           "parallel_shared": parallel_block}
