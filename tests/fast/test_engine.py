@@ -135,6 +135,27 @@ def test_convert_is_ref_at_that_format(small, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_one_token_steps_match_the_prompt_path_after_transforms(small, fmt, monkeypatch):
+    """A decode token runs every block in one compiled call (cpu.decode_step): its logits equal those of the
+    per-layer path (a prompt's rows), dense and with predictors, also after a transform replaced the arrays that
+    an earlier step read (convert, apply_predictors)."""
+    e, ids, calls = Engine.load(small), np.array([2, 3, 5, 7, 11]), []
+    step = fast.cpu.decode_step
+    monkeypatch.setattr(fast.cpu, "decode_step", lambda *a: calls.append(1) or step(*a))
+
+    def steps():
+        cache = e.new_cache(len(ids))
+        return np.concatenate([e.forward(Batch.single(ids[t:t + 1], cache), cache) for t in range(len(ids))])
+
+    steps()
+    convert(e, FORMATS[fmt])
+    assert_close(steps(), e.logits(ids), rtol=1e-5)
+    apply_predictors(e, small / "predictors.safetensors")
+    assert_close(steps(), e.logits(ids), rtol=1e-5)
+    assert len(calls) == 3 * len(ids)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_dense_layout_is_ref_and_bundles_again(small, fmt, monkeypatch):
     """dense_ffn: gate and up rows as one interleaved matrix, the bundles the down rows only; ref's logits at that
     format for one token, for a prompt, and for a prompt in fast.blas's kernels. apply_predictors bundles the rows
