@@ -1062,12 +1062,13 @@ def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, bundle, b
 
 
 @njit(cache=True, nogil=True)
-def decode_step(h, norms, attn, ffn, preds, k_caches, v_caches, seq, pos, cos, sin, eps, threshold, given, acc, kind,
-                thr, block):
+def decode_step(h, norms, attn, ffn, preds, k_caches, v_caches, seq, pos, cos, sin, eps, threshold, given, bounds, acc,
+                kind, thr, block):
     """One token of sequence `seq` at position `pos` through every block, in place on its residual stream h [1, D]
     (fast.engine's pre_norm_block, post_norm_block or parallel_block by the code `block`, BLOCKS): attention_block,
-    then ffn_block over the token's set: the predictor's threshold where `given` is empty, else given[l] (a pick that
-    does not read the logits; the predictor still runs where there is one).
+    then ffn_block over the token's set: the predictor's threshold where `bounds` is empty, else layer l's given set
+    given[bounds[l]:bounds[l + 1]] (a pick that does not read the logits; the predictor still runs where there is
+    one).
     norms: typed lists of the per-layer norm weights (before attention, w and b; before the FFN; after attention, after
     the FFN: EMPTY where the block has none); attn: (wqkv, bqkv, wo, bo); ffn: (bundle, bu, bd); preds: (fc1, fc2),
     empty lists for none; k_caches[l][seq], v_caches[l][seq]: [room, K, E].
@@ -1084,26 +1085,26 @@ def decode_step(h, norms, attn, ffn, preds, k_caches, v_caches, seq, pos, cos, s
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(wqkv)):
         if block == 2:  # parallel: the FFN reads the layer input too
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, logits, active, acc, kind,
-                     thr, eps)
+            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
+                     kind, thr, eps)
         attention_block(a, h, pre_a_w[l], pre_a_b[l], wqkv[l], bqkv[l], wo[l], bo[l], k_caches[l][seq],
                         v_caches[l][seq], cos, sin, pos, eps)
         h += a
         norm(h, h, post_a_w[l], post_a_b[l], eps)
         if block != 2:
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, logits, active, acc, kind,
-                     thr, eps)
+            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
+                     kind, thr, eps)
         h += y
         norm(h, h, post_f_w[l], post_f_b[l], eps)
 
 
 @njit(inline="always")
-def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, logits, active, acc, kind, thr, eps):
+def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc, kind, thr, eps):
     """y = layer l's ffn_block of h [1, D] over its set (decode_step's pick)."""
     if len(fc1):
         predictor(logits, np.empty((1, n_rows(fc1[l])), np.float32), h, fc1[l], fc2[l])
-    if len(given):
-        ids = given[l]
+    if len(bounds):
+        ids = given[bounds[l]:bounds[l + 1]]
         n = len(ids)
     else:
         ids = active

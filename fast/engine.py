@@ -414,11 +414,12 @@ class Engine(Decoder):
     def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, lists: tuple) -> None:
         """Every block for one token h [1, D], in place, as cpu.decode_step."""
         sel, seq = self.selector, batch.seqs[0]
-        given = sel.given_sets(self.config.n_layers)
-        given = List(given) if given else List.empty_list(typeof(sel.all))
+        sets = sel.given_sets(self.config.n_layers)  # as one array, layer l's from bounds[l] (a typed list: 0.2 ms)
+        given = np.concatenate(sets) if sets else sel.all[:0]
+        bounds = np.cumsum([0] + [len(s) for s in sets]) if sets else np.zeros(0, np.int64)
         k_caches, v_caches = self.layer_views(cache)
         cpu.decode_step(h, *lists, k_caches, v_caches, seq, batch.positions[0], self.cos, self.sin,
-                        F32(self.config.norm_eps), sel.threshold, given, self.acc, self.kind, self.thr,
+                        F32(self.config.norm_eps), sel.threshold, given, bounds, self.acc, self.kind, self.thr,
                         cpu.BLOCKS[self.config.block])
 
     def embed_tokens(self, batch: Batch) -> np.ndarray:
