@@ -29,9 +29,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x4, dot, dot2,
-                        dot2_2t, dot2_4t, dot2t, dot4, dot4t, dot4x4, f16_round, interleaved, is_float, load, n_rows,
-                        prefetch_span, q8_0_block, quantize_input)
+from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x2_4t,
+                        block_dot8x4, dot, dot2, dot2_2t, dot2_4t, dot2t, dot4, dot4t, dot4x4, f16_round, interleaved,
+                        is_float, load, n_rows, prefetch_span, q8_0_block, quantize_input)
 
 # A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
 # between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
@@ -214,8 +214,20 @@ def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
         def groups(out, x, w, xq, xd, xs, lo, hi):
             reach = np.int64(w.shape[1] + 8)  # the next group's first blocks too
             T = x.shape[0]
-            if T >= 4:  # 4+ tokens: each group block unpacked once per four tokens
-                for g in range(lo, hi):
+            if T >= 4:  # 4+ tokens: each group block unpacked once per four tokens, two groups (halves) at once
+                half = (hi - lo) // 2
+                for g in range(lo, lo + half):
+                    for t in range(0, T - 3, 4):
+                        r = block_dot8x2_4t(w[g], w[g + half], xq, xd, xs, reach, t, t + 1, t + 2, t + 3)
+                        for s in range(2):
+                            for k in range(4):
+                                for i in range(ROWS):
+                                    out[t + k, (g + s * half) * ROWS + i] = r[(4 * s + k) * ROWS + i]
+                    for t in range(T - T % 4, T):
+                        group_dot(out, w, g, xq, xd, xs, t, reach)
+                        group_dot(out, w, g + half, xq, xd, xs, t, reach)
+                if (hi - lo) % 2:
+                    g = hi - 1
                     for t in range(0, T - 3, 4):
                         r = block_dot8_4t(w[g], xq, xd, xs, reach, t, t + 1, t + 2, t + 3)
                         for k in range(4):

@@ -765,8 +765,8 @@ def _dot8_codegen(fmt, streams, n_tokens, runs=False):
             tokens = [(xp0, dp0, sp0)]
 
         def token_blocks(b):
-            if not runs:
-                return [_token_block(builder, *tok, b, streams > 1, 8 * width) for tok in tokens]
+            if not runs:  # words shared by vectors are loaded once
+                return [_token_block(builder, *tok, b, streams > width, 8 * width) for tok in tokens]
             out = []
             for tok in tokens:  # a run's lanes are its blocks: the same token vectors for both rows of a pair
                 words, corr, xd = _token_run(builder, *tok, b, streams > 1)
@@ -845,6 +845,17 @@ def block_dot8_4t(typingctx, w, x, xd, xs, reach, t0, t1, t2, t3):
         return None
     return (types.UniTuple(types.float32, 4 * ROWS)(w, x, xd, xs, reach, t0, t1, t2, t3),
             _dot8_codegen(fmt, 1, 4))
+
+
+@intrinsic
+def block_dot8x2_4t(typingctx, w0, w1, x, xd, xs, reach, t0, t1, t2, t3):
+    """block_dot8_4t of two groups at once (side by side in 16 lanes where WIDE: half the vpdpbusd of one group at a
+    time). 64 sums, group by group, token by token."""
+    fmt = INTERLEAVED_FORMATS.get(w0.dtype)
+    if fmt is None:
+        return None
+    return (types.UniTuple(types.float32, 8 * ROWS)(w0, w1, x, xd, xs, reach, t0, t1, t2, t3),
+            _dot8_codegen(fmt, 2, 4))
 
 
 @intrinsic

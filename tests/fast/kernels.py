@@ -412,9 +412,11 @@ SHAPES = [
         ("sparse_ffn_batch", dict(T=7, F=30, D=256, kind="relu", empty=True, full=True)),
         ("sparse_ffn_batch", dict(T=5, F=20, D=512, kind="relu", gated=False)))],
     ("ffn_batch_block", dict(T=6, F=30, D=256, R=8, kind="relu", fmt="q4_0", runs=True), False),
-    # their rows interleaved in groups of 8: one group, groups four streams at a time and tails, 4+ tokens
+    # their rows interleaved in groups of 8: one group, groups four streams at a time and tails, 4+ tokens (with 49
+    # groups in 16 chunks: two at a time and an odd one)
     *[("matmul", {**shape, "fmt": fmt, "interleaved": True}, False) for fmt in ("q8_0", "q4_0") for shape in (
-        dict(T=1, N=8, K=32), dict(T=2, N=64, K=96), dict(T=3, N=520, K=64), dict(T=9, N=40, K=64))],
+        dict(T=1, N=8, K=32), dict(T=2, N=64, K=96), dict(T=3, N=520, K=64), dict(T=9, N=40, K=64),
+        dict(T=6, N=392, K=64))],
 ]
 # Every weight format under the CUDA simulator too, on few blocks: one or two rows of whole 32-element blocks.
 SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q8_0", "q4_0") for name, shape in (

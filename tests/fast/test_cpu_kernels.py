@@ -144,7 +144,7 @@ def test_block_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_interleaved_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
     """The interleaved groups' dot products (vpdpbusd, or its plain-IR form without VNNI): one group, four groups at
-    once, and one group against four tokens, against ref's values."""
+    once, one group against four tokens and two groups against four tokens, against ref's values."""
     import numpy as np
     from numba import njit
 
@@ -167,6 +167,12 @@ def test_interleaved_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
         return quant.block_dot8_4t(w[2], xq, xd, xs, np.int64(w.shape[1]), np.int64(4), np.int64(0), np.int64(2),
                                    np.int64(1))
 
+    @njit
+    def pair(w, x):
+        xq, xd, xs = quant.quantize_input(x, w)
+        return quant.block_dot8x2_4t(w[3], w[1], xq, xd, xs, np.int64(w.shape[1]), np.int64(4), np.int64(0),
+                                     np.int64(2), np.int64(1))
+
     rng = np.random.default_rng(8)
     t = quantize(rng.standard_normal((32, 32 * 7)).astype(np.float32), fmt)  # 4 groups of 8 rows, 7 blocks
     w = quant.interleave(blocks(t))
@@ -176,6 +182,8 @@ def test_interleaved_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
     order = np.concatenate([np.arange(8) + 8 * g for g in (3, 0, 2, 1)])
     np.testing.assert_allclose(four(w, x[:1]), want[order, 0], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(tokens(w, x), want[16:24][:, [4, 0, 2, 1]].T.ravel(), rtol=1e-5, atol=1e-4)
+    pairs = np.concatenate([want[g * 8:g * 8 + 8][:, [4, 0, 2, 1]].T.ravel() for g in (3, 1)])
+    np.testing.assert_allclose(pair(w, x), pairs, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("isa", ["vnni512", "vnni", "avx2", "generic"])
