@@ -1059,98 +1059,69 @@ def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, bundle, b
     out, h: [T, D]; fc1: [R, D]; fc2: [F, R]; bd: [D] or [0]; chunks: sparse_ffn_batch's accumulators."""
     T, D = h.shape
     F = bundle.shape[0]
-    logits, picked = np.empty((T, F), np.float32), np.empty((T, F), np.uint8)
+    x = np.empty_like(h)
+    norm(x, h, ffn_norm, ffn_norm_b, eps)
+    logits = np.empty((T, F), np.float32)
     predictor(logits, np.empty((T, n_rows(fc1)), np.float32), h, fc1, fc2)
-    threshold_picks(picked, logits, threshold)
-    ffn_of_picks(out, h, ffn_norm, ffn_norm_b, bundle, bias, bd, picked, np.empty(F, np.int32),
-                 np.empty((T, F), np.uint8), np.empty((chunks, D), np.float32), np.empty((chunks, T, D), np.float32),
-                 kind, thr, eps)
+    picked = np.empty((T, F), np.uint8)  # token t computes neuron i
+    for t in range(T):
+        for i in range(F):
+            picked[t, i] = logits[t, i] >= threshold
+    union, mask = np.empty(F, np.int32), np.empty((T, F), np.uint8)
+    n = union_mask(union, mask, picked)
+    sparse_ffn_batch(out, np.empty((chunks, T, D), np.float32), x, bundle, bias, union, n, mask, kind, thr)
+    add_bias(out, bd)
 
 
 @njit(cache=True, nogil=True)
-def decode_step(h, norms, attn, ffn, preds, k_caches, v_caches, seqs, positions, cos, sin, eps, threshold, given, acc,
-                chunks, kind, thr, block):
-    """T tokens, one of each sequence seqs[t] at positions[t], through every block, in place on their residual
-    streams h [T, D] (fast.engine's pre_norm_block, post_norm_block or parallel_block by the code `block`, BLOCKS):
-    attention_block for one token, decode_attention_block for several; then the FFN over each token's set
-    (ffn_of_picks): the predictor's threshold where `given` is empty, else given[l] [T, F] (picks that do not read
-    the logits; the predictor still runs where there is one).
+def decode_step(h, norms, attn, ffn, preds, k_caches, v_caches, seq, pos, cos, sin, eps, threshold, given, bounds, acc,
+                kind, thr, block):
+    """One token of sequence `seq` at position `pos` through every block, in place on its residual stream h [1, D]
+    (fast.engine's pre_norm_block, post_norm_block or parallel_block by the code `block`, BLOCKS): attention_block,
+    then ffn_block over the token's set: the predictor's threshold where `bounds` is empty, else layer l's given set
+    given[bounds[l]:bounds[l + 1]] (a pick that does not read the logits; the predictor still runs where there is
+    one).
     norms: typed lists of the per-layer norm weights (before attention, w and b; before the FFN; after attention, after
     the FFN: EMPTY where the block has none); attn: (wqkv, bqkv, wo, bo); ffn: (bundle, bu, bd); preds: (fc1, fc2),
-    empty lists for none; k_caches[l][seq], v_caches[l][seq]: [room, K, E]; acc: [C, D] and `chunks`: the FFN's
-    accumulators (one token's, several tokens' chunks).
+    empty lists for none; k_caches[l][seq], v_caches[l][seq]: [room, K, E].
 
-    One compiled call per step instead of four to six per layer from Python: once a step's weights have streamed
-    through the caches, each return to the interpreter runs from memory (TinyLlama q4_0, 90 % sparse, a 1 GiB read
-    between tokens: 1.2 ms of an 11.2 ms token outside the kernels)."""
+    One compiled call per token instead of four per layer from Python: once a token's weights have streamed through
+    the caches, each return to the interpreter runs from memory (TinyLlama q4_0, 90 % sparse, a 1 GiB read between
+    tokens: 1.2 ms of an 11.2 ms token outside the kernels)."""
     pre_a_w, pre_a_b, pre_f_w, pre_f_b, post_a_w, post_a_b, post_f_w, post_f_b = norms
     wqkv, bqkv, wo, bo = attn
     bundle, bu, bd = ffn
     fc1, fc2 = preds
-    T, D = h.shape
     F = bundle[0].shape[0]
-    a, y = np.empty_like(h), np.empty_like(h)  # [T, D]
-    logits, picked = np.empty((T, F), np.float32), np.empty((T, F), np.uint8)
-    active, mask, batch_acc = np.empty(F, np.int32), np.empty((T, F), np.uint8), np.empty((chunks, T, D), np.float32)
+    a, y = np.empty_like(h), np.empty_like(h)  # [1, D]
+    logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(wqkv)):
         if block == 2:  # parallel: the FFN reads the layer input too
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, logits, picked, active, mask,
-                     acc, batch_acc, kind, thr, eps)
-        if T == 1:
-            attention_block(a, h, pre_a_w[l], pre_a_b[l], wqkv[l], bqkv[l], wo[l], bo[l], k_caches[l][seqs[0]],
-                            v_caches[l][seqs[0]], cos, sin, positions[0], eps)
-        else:
-            decode_attention_block(a, h, pre_a_w[l], pre_a_b[l], wqkv[l], bqkv[l], wo[l], bo[l], k_caches[l],
-                                   v_caches[l], seqs, positions, cos, sin, eps)
+            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
+                     kind, thr, eps)
+        attention_block(a, h, pre_a_w[l], pre_a_b[l], wqkv[l], bqkv[l], wo[l], bo[l], k_caches[l][seq],
+                        v_caches[l][seq], cos, sin, pos, eps)
         h += a
         norm(h, h, post_a_w[l], post_a_b[l], eps)
         if block != 2:
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, logits, picked, active, mask,
-                     acc, batch_acc, kind, thr, eps)
+            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
+                     kind, thr, eps)
         h += y
         norm(h, h, post_f_w[l], post_f_b[l], eps)
 
 
-@njit(cache=True, nogil=True)
-def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, logits, picked, active, mask, acc, batch_acc,
-             kind, thr, eps):
-    """y = layer l's FFN of h [T, D] over decode_step's picks."""
-    if len(fc1):
-        predictor(logits, np.empty((h.shape[0], n_rows(fc1[l])), np.float32), h, fc1[l], fc2[l])
-    if len(given):
-        picks = given[l]
-    else:
-        threshold_picks(picked, logits, threshold)
-        picks = picked
-    ffn_of_picks(y, h, w[l], b[l], bundle[l], bu[l], bd[l], picks, active, mask, acc, batch_acc, kind, thr, eps)
-
-
 @njit(inline="always")
-def threshold_picks(picked, logits, threshold):
-    """picked[t, i] = logits[t, i] >= threshold (ref.sparse.Selector.pick).  picked: [T, F] uint8."""
-    for t in range(logits.shape[0]):
-        for i in range(logits.shape[1]):
-            picked[t, i] = logits[t, i] >= threshold
-
-
-@njit(cache=True, nogil=True)
-def ffn_of_picks(y, h, w, b, bundle, bu, bd, picks, active, mask, acc, batch_acc, kind, thr, eps):
-    """y = the FFN of h [T, D] (after its norm w, b), token t over the neurons picks[t] marks (+ bd): one token's set
-    as ids (ffn_block), several tokens' union read once for all (sparse_ffn_batch).  active: [F], mask: [T, F]
-    scratch; acc: [C, D], batch_acc: [C, T, D] accumulators."""
-    T = h.shape[0]
-    if T == 1:
-        n = 0
-        for i in range(picks.shape[1]):  # branch-free, as predicted_set
-            active[n] = i
-            n += picks[0, i] != 0
-        ffn_block(y[0], acc, h[0], w, b, bundle, bu, bd, active, n, kind, thr, eps)
-        return
-    x = np.empty_like(h)
-    norm(x, h, w, b, eps)
-    n = union_mask(active, mask, picks)
-    sparse_ffn_batch(y, batch_acc, x, bundle, bu, active, n, mask, kind, thr)
-    add_bias(y, bd)
+def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc, kind, thr, eps):
+    """y = layer l's ffn_block of h [1, D] over its set (decode_step's pick)."""
+    if len(fc1):
+        predictor(logits, np.empty((1, n_rows(fc1[l])), np.float32), h, fc1[l], fc2[l])
+    if len(bounds):
+        ids = given[bounds[l]:bounds[l + 1]]
+        n = len(ids)
+    else:
+        ids = active
+        n = predicted_set(active, logits[0], threshold)
+    ffn_block(y[0], acc, h[0], w[l], b[l], bundle[l], bu[l], bd[l], ids, n, kind, thr, eps)
 
 
 @njit(cache=True, nogil=True)
