@@ -14,6 +14,9 @@ class UserError(ValueError):
     """Bad input from the user (a file, a flag): the CLIs print the message alone and exit 1."""
 
 
+_program = False  # set by ctrl_c_quits_while_starting: this process runs a CLI as its program
+
+
 def quit_on_ctrl_c(signum=None, frame=None):
     """SIGINT handler for a CLI's start (its imports, its flags), which holds nothing to clean up: say 'interrupted'
     and exit 130 at once. `user_errors` hands Ctrl-C back to Python as the command's body starts."""
@@ -24,15 +27,27 @@ def quit_on_ctrl_c(signum=None, frame=None):
 def ctrl_c_quits_while_starting(module_name: str):
     """First line of a CLI module, given its `__name__`: run as the program, a Ctrl-C during its imports (numba's
     take a second or more) exits 130 at once instead of printing a traceback from inside them."""
+    global _program
     if module_name == "__main__":
+        _program = True
         signal.signal(signal.SIGINT, quit_on_ctrl_c)
 
 
 def exit_interrupted():
     """Say 'interrupted' on stderr and exit 130, as a shell does for a Ctrl-C."""
-    # CPython marks a KeyboardInterrupt that leaves a string exec (dataclasses and namedtuple build their methods
-    # with one, so an import is full of them) as unhandled even when it is caught, and at the end of `python -m`
-    # it then kills itself with SIGINT instead of exiting 130. Every string exec clears that mark as it starts.
+    if _program:
+        # The body's cleanups have run by now; the interpreter's finalisation has not, and a Ctrl-C that landed
+        # while llvmlite built an object leaves one half-made, whose finaliser then crashes (SIGSEGV) or prints a
+        # traceback. A program leaves without finalising, as quit_on_ctrl_c does.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.write(2, b"\ninterrupted\n")
+        os._exit(130)
+    # Otherwise (a command's main called in-process, or a CLI without the start handler): CPython marks a
+    # KeyboardInterrupt that leaves a string exec (dataclasses and namedtuple build their methods with one, so an
+    # import is full of them) as unhandled even when it is caught, and at the end of `python -m` it then kills
+    # itself with SIGINT instead of exiting 130. Every string exec clears that mark as it starts.
     exec("pass", {})
     sys.stderr.write("\ninterrupted\n")
     sys.exit(130)
