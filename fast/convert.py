@@ -3,6 +3,10 @@ PowerInfer-layout GGUF (magic PWRI: predictors embedded, the down matrix transpo
 threshold, the tokenizer), which PowerInfer's C++ loads and fast.run memory-maps; `--dense` writes llama.cpp's
 layout instead (magic GGUF, ffn_down, no predictors). One tensor at a time: memory holds one tensor in two formats."""
 
+from ref.common.errors import UserError, ctrl_c_quits_while_starting
+
+ctrl_c_quits_while_starting(__name__)
+
 import sys
 import time
 from pathlib import Path
@@ -12,7 +16,6 @@ import click
 from ref.common.artifacts import Predictors
 from ref.common.cli import output_file, user_errors
 from ref.common.config import ModelConfig
-from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format, format_of
 from ref.common.gguf_io import Planned, model_kv, rope_rows, tokenizer_kv, write_gguf, THRESHOLD_KEY
 from ref.common.names import GGUF_NAMES, expected_shapes, gguf_name

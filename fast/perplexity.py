@@ -7,6 +7,10 @@ BOS as its first token, and only its second half is scored (each token predicted
 context). Progress `[i]ppl,` per chunk, then `Final estimate: PPL = X +/- Y` with Y = PPL times the standard error
 of the mean negative log-likelihood, as llama.cpp prints it."""
 
+from ref.common.errors import UserError, ctrl_c_quits_while_starting
+
+ctrl_c_quits_while_starting(__name__)
+
 import math
 import sys
 from pathlib import Path
@@ -17,7 +21,6 @@ import numpy as np
 from fast.load import default_predictors, load_engine
 from ref.common.checkpoint import load_checkpoint
 from ref.common.cli import resolve_model, user_errors
-from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.tokenizer import load_tokenizer
 from ref.profile import corpus_tokens
