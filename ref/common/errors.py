@@ -42,8 +42,7 @@ def exit_interrupted():
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os.write(2, b"\ninterrupted\n")
-        os._exit(130)
+        quit_on_ctrl_c()
     # Otherwise (a command's main called in-process, or a CLI without the start handler): CPython marks a
     # KeyboardInterrupt that leaves a string exec (dataclasses and namedtuple build their methods with one, so an
     # import is full of them) as unhandled even when it is caught, and at the end of `python -m` it then kills
