@@ -1,4 +1,5 @@
 import os
+import sys
 
 from tests.helpers import HAS_GPU, SHIPPED
 
@@ -6,6 +7,11 @@ from tests.helpers import HAS_GPU, SHIPPED
 # (tests.helpers imports only numpy and ref.common, which leave numba alone).
 if not HAS_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    # The simulator runs each CUDA thread as a Python thread and polls them from a loop that holds the GIL, so every
+    # hand-over waited for the interpreter's switch interval (5 ms): a family's 2-token GPU run took 36 s, 4.7 s at
+    # 0.1 ms.
+    sys.setswitchinterval(1e-4)
 
 import pytest  # noqa: E402
 
