@@ -130,6 +130,15 @@ def norm(out, x, w, b, eps):
 
 
 @njit(cache=True, nogil=True)
+def embed(out, table, ids):
+    """out[t] = table[ids[t]] as float32 values: rows of an embedding in any format, the values ref.quant.values
+    gives (a q4_0 row through numpy: 80 to 130 us a token, TinyLlama's 2048 wide).  out: [T, W]; ids: [T]."""
+    for t in range(ids.size):
+        out[t] = 0.0
+        axpy(out[t], np.float32(1.0), table[ids[t]])
+
+
+@njit(cache=True, nogil=True)
 def add_bias(out, b):
     """out[t] += b for every row, where there is a bias (b: [N] or [0]).  out: [T, N]."""
     if b.size:

@@ -64,6 +64,13 @@ def case_add_bias(rng, T, N, bias=True):
     return lambda k: (lambda out: (k.add_bias(out, b), out)[1])(x.copy()), x + (b if bias else 0)
 
 
+def case_embed(rng, T, V, W, fmt="f32"):
+    """Rows ids [T] of an embedding table [V, W] in a format, as the values they mean (ref.quant.values)."""
+    (table, values_, _), ids = stored(randn(rng, V, W), fmt), rng.integers(0, V, T)
+    out = np.empty((T, W), F32)
+    return lambda k: (k.embed(out, table, ids), out)[1], values_[ids]
+
+
 def case_matmul(rng, T, N, K, fmt="f32", interleaved=False):
     x, (w, wv, read) = randn(rng, T, K), stored(randn(rng, N, K), fmt)
     w = interleave(w) if interleaved else w  # fast.quant.INTERLEAVED: the CPU engine's q8_0 and q4_0 matrices
@@ -280,7 +287,7 @@ def case_union_mask(rng, T, F, share):
 
 
 CASES = {
-    "rmsnorm": case_rmsnorm, "norm": case_norm, "add_bias": case_add_bias, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
+    "rmsnorm": case_rmsnorm, "norm": case_norm, "add_bias": case_add_bias, "embed": case_embed, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set, "union_mask": case_union_mask,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
     "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block,
@@ -296,6 +303,8 @@ SHAPES = [
     *[("norm", dict(T=T, D=D, norm=n), sim) for n in NORMS for T, D, sim in ((1, 7, False), (5, 100, False), (2, 19, True))],
     ("add_bias", dict(T=3, N=17), False), ("add_bias", dict(T=2, N=5, bias=False), False),
     ("add_bias", dict(T=2, N=9), True), ("add_bias", dict(T=1, N=4, bias=False), True),
+    *[("embed", dict(T=T, V=9, W=W, fmt=fmt), False) for fmt in ("f32", "f16", "bf16", "q8_0", "q4_0")
+      for T, W in ((3, 96), (0, 32))],
     ("matmul", dict(T=1, N=33, K=17), False), ("matmul", dict(T=4, N=100, K=65), False),
     ("matmul", dict(T=3, N=1, K=5), False),
     ("matmul", dict(T=2, N=301, K=9), False),  # >= 4 rows per chunk: the four-stream path
@@ -423,8 +432,8 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
     ("matmul", dict(T=2, N=5, K=32)), ("sparse_ffn", dict(F=6, D=32, n_active=3, kind="relu")),
     ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")))]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
-# share included, so fast.gpu has no predicted_set; batched prefill runs on the CPU so far.
-CPU_ONLY = {"predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block", "ffn_batch_block",
+# share included, so fast.gpu has no predicted_set; the embeddings too; batched prefill runs on the CPU so far.
+CPU_ONLY = {"embed", "predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block", "ffn_batch_block",
             "decode_attention_block"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
