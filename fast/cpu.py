@@ -1083,54 +1083,53 @@ def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, bundle, b
 
 
 @njit(cache=True, nogil=True)
-def decode_step(h, norms, attn, ffn, preds, k_caches, v_caches, seq, pos, cos, sin, eps, threshold, given, bounds, acc,
-                kind, thr, block):
+def decode_step(h, layers, k_caches, v_caches, seq, pos, cos, sin, eps, threshold, given, bounds, acc, kind, thr,
+                block):
     """One token of sequence `seq` at position `pos` through every block, in place on its residual stream h [1, D]
     (fast.engine's pre_norm_block, post_norm_block or parallel_block by the code `block`, BLOCKS): attention_block,
     then ffn_block over the token's set: the predictor's threshold where `bounds` is empty, else layer l's given set
     given[bounds[l]:bounds[l + 1]] (a pick that does not read the logits; the predictor still runs where there is
     one).
-    norms: typed lists of the per-layer norm weights (before attention, w and b; before the FFN; after attention, after
-    the FFN: EMPTY where the block has none); attn: (wqkv, bqkv, wo, bo); ffn: (bundle, bu, bd); preds: (fc1, fc2),
-    empty lists for none; k_caches[l][seq], v_caches[l][seq]: [room, K, E].
+    layers[l]: layer l's arrays as one tuple: the norms' weights and biases before attention, before the FFN, after
+    attention and after the FFN (EMPTY where the block has none), wqkv, bqkv, wo, bo, bundle, bu, bd, fc1, fc2 (no
+    rows where there is no predictor); k_caches[l][seq], v_caches[l][seq]: [room, K, E].
 
     One compiled call per token instead of four per layer from Python: once a token's weights have streamed through
     the caches, each return to the interpreter runs from memory (TinyLlama q4_0, 90 % sparse, a 1 GiB read between
-    tokens: 1.2 ms of an 11.2 ms token outside the kernels)."""
-    pre_a_w, pre_a_b, pre_f_w, pre_f_b, post_a_w, post_a_b, post_f_w, post_f_b = norms
-    wqkv, bqkv, wo, bo = attn
-    bundle, bu, bd = ffn
-    fc1, fc2 = preds
-    F = bundle[0].shape[0]
+    tokens: 1.2 ms of an 11.2 ms token outside the kernels). One typed list of tuples, since numba types a tuple of
+    typed lists slowly: the 17 per-layer lists as four tuples cost 80 us a call, this list 1 us."""
+    F = layers[0][12].shape[0]
     a, y = np.empty_like(h), np.empty_like(h)  # [1, D]
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
-    for l in range(len(wqkv)):
+    for l in range(len(layers)):
+        (pre_a_w, pre_a_b, pre_f_w, pre_f_b, post_a_w, post_a_b, post_f_w, post_f_b, wqkv, bqkv, wo, bo, bundle, bu, bd,
+         fc1, fc2) = layers[l]
         if block == 2:  # parallel: the FFN reads the layer input too
             step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
                      kind, thr, eps)
-        attention_block(a, h, pre_a_w[l], pre_a_b[l], wqkv[l], bqkv[l], wo[l], bo[l], k_caches[l][seq],
-                        v_caches[l][seq], cos, sin, pos, eps)
+        attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_caches[l][seq], v_caches[l][seq], cos, sin, pos,
+                        eps)
         h += a
-        norm(h, h, post_a_w[l], post_a_b[l], eps)
+        norm(h, h, post_a_w, post_a_b, eps)
         if block != 2:
             step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
                      kind, thr, eps)
         h += y
-        norm(h, h, post_f_w[l], post_f_b[l], eps)
+        norm(h, h, post_f_w, post_f_b, eps)
 
 
 @njit(inline="always")
 def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc, kind, thr, eps):
     """y = layer l's ffn_block of h [1, D] over its set (decode_step's pick)."""
-    if len(fc1):
-        predictor(logits, np.empty((1, n_rows(fc1[l])), np.float32), h, fc1[l], fc2[l])
+    if fc1.shape[0]:
+        predictor(logits, np.empty((1, n_rows(fc1)), np.float32), h, fc1, fc2)
     if len(bounds):
         ids = given[bounds[l]:bounds[l + 1]]
         n = len(ids)
     else:
         ids = active
         n = predicted_set(active, logits[0], threshold)
-    ffn_block(y[0], acc, h[0], w[l], b[l], bundle[l], bu[l], bd[l], ids, n, kind, thr, eps)
+    ffn_block(y[0], acc, h[0], w, b, bundle, bu, bd, ids, n, kind, thr, eps)
 
 
 @njit(cache=True, nogil=True)

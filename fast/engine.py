@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from numba import typeof
 from numba.typed import List
 from threadpoolctl import threadpool_limits
 
@@ -72,7 +71,7 @@ class Layer:
     bu: np.ndarray = field(default_factory=lambda: EMPTY)  # [F] the up rows' bias (non-gated)
     bd: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] the down matrix's bias
     gate_up: np.ndarray | None = None  # [2F, D] the gate rows, then the up rows, as one matmul (dense_ffn)
-    edits: ClassVar[int] = 0  # assignments to any Layer's fields so far, which Engine.step_lists watches
+    edits: ClassVar[int] = 0  # assignments to any Layer's fields so far, which Engine.step_layers watches
 
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
@@ -381,19 +380,19 @@ class Engine(Decoder):
         in one compiled call (cpu.decode_step) where the layout and the selector allow it."""
         runs = check_batch(batch, cache, self.config)
         h = self.embed_tokens(batch)  # [T, D]
-        lists = self.step_lists() if len(batch.tokens) == 1 else None
-        if lists is not None:
-            self.decode_step(h, batch, cache, lists)
+        layers = self.step_layers() if len(batch.tokens) == 1 else None
+        if layers is not None:
+            self.decode_step(h, batch, cache, layers)
         else:
             for l in range(self.config.n_layers):
                 self.block(l, h, batch, cache)
         advance(cache, runs)
         return self.output(np.ascontiguousarray(h[batch.output_rows()]))
 
-    def step_lists(self) -> tuple | None:
-        """The per-layer arrays cpu.decode_step reads, as typed lists (its norms, attn, ffn, preds), kept until a
-        transform replaces an array or the selector; None where the step does not apply: the dense layout
-        (dense_ffn), or a selector whose own pick reads the logits."""
+    def step_layers(self) -> List | None:
+        """The per-layer arrays cpu.decode_step reads, one tuple a layer in a typed list, kept until a transform
+        replaces an array or the selector; None where the step does not apply: the dense layout (dense_ffn), or a
+        selector whose own pick reads the logits."""
         sel, c = self.selector, self.config
         if self.layers[0].gate_up is not None or (sel.predicts and not sel.by_threshold and not sel.ahead):
             return None
@@ -402,30 +401,23 @@ class Engine(Decoder):
         if kept is not None and kept[0][0] == key[0] and len(kept[0]) == len(key) and all(
                 a is b for a, b in zip(kept[0][1:], key[1:])):
             return kept[1]
+        none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
+        rows = List()
+        for l, L in enumerate(self.layers):
+            post = (L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
+            rows.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
+                         L.wo, L.bo, L.bundle, L.bu, L.bd, *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
+        self._step = (key, rows)
+        return rows
 
-        def lists(values):
-            values = list(values)
-            return List(values) if values else List.empty_list(typeof(EMPTY.reshape(0, 0)))
-
-        norms = [self.norm_weights(L, ATTN_NORM) for L in self.layers], [self.norm_weights(L, FFN_NORM)
-                                                                          for L in self.layers]
-        post = [(L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
-                for L in self.layers]
-        out = (tuple(lists(v) for v in (*zip(*norms[0]), *zip(*norms[1]), *zip(*post))),
-               tuple(lists(getattr(L, f) for L in self.layers) for f in ("wqkv", "bqkv", "wo", "bo")),
-               tuple(lists(getattr(L, f) for L in self.layers) for f in ("bundle", "bu", "bd")),
-               (lists(sel.fc1), lists(sel.fc2)) if sel.predicts else (lists([]), lists([])))
-        self._step = (key, out)
-        return out
-
-    def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, lists: tuple) -> None:
+    def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, layers: List) -> None:
         """Every block for one token h [1, D], in place, as cpu.decode_step."""
         sel, seq = self.selector, batch.seqs[0]
         sets = sel.given_sets(self.config.n_layers)  # as one array, layer l's from bounds[l] (a typed list: 0.2 ms)
         given = np.concatenate(sets) if sets else sel.all[:0]
         bounds = np.cumsum([0] + [len(s) for s in sets]) if sets else np.zeros(0, np.int64)
         k_caches, v_caches = self.layer_views(cache)
-        cpu.decode_step(h, *lists, k_caches, v_caches, seq, batch.positions[0], self.cos, self.sin,
+        cpu.decode_step(h, layers, k_caches, v_caches, seq, batch.positions[0], self.cos, self.sin,
                         F32(self.config.norm_eps), sel.threshold, given, bounds, self.acc, self.kind, self.thr,
                         cpu.BLOCKS[self.config.block])
 
