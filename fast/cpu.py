@@ -1098,7 +1098,7 @@ def decode_step(h, layers, k_caches, v_caches, seq, pos, cos, sin, eps, threshol
     the caches, each return to the interpreter runs from memory (TinyLlama q4_0, 90 % sparse, a 1 GiB read between
     tokens: 1.2 ms of an 11.2 ms token outside the kernels). One typed list of tuples, since numba types a tuple of
     typed lists slowly: the 17 per-layer lists as four tuples cost 80 us a call, this list 1 us."""
-    F = layers[0][12].shape[0]
+    F = layers[0][12].shape[0]  # the bundle's neurons
     a, y = np.empty_like(h), np.empty_like(h)  # [1, D]
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(layers)):

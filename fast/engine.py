@@ -13,8 +13,8 @@ V vocab, R predictor hidden size, C accumulator chunks.
 import os
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import numba
 import numpy as np
