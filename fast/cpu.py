@@ -1062,20 +1062,24 @@ def ffn_block(out, acc, h, ffn_norm, ffn_norm_b, bundle, bias, bd, active, n_act
 
 
 @njit(cache=True, nogil=True)
-def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, bundle, bias, bd, chunks, kind, thr, eps):
+def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, given, bundle, bias, bd, chunks, kind, thr,
+                    eps):
     """out = sparse_ffn_batch(norm(h)) + bd for T tokens, token t over its predicted set {i : (fc2 . relu(fc1 .
-    h_t))_i >= threshold} (ref.sparse.Selector.pick), the union of the sets read once for all, as one compiled call.
-    out, h: [T, D]; fc1: [R, D]; fc2: [F, R]; bd: [D] or [0]; chunks: sparse_ffn_batch's accumulators."""
+    h_t))_i >= threshold} (ref.sparse.Selector.pick), or over given[t] where the selector picks without reading the
+    logits (the predictor still runs), the union of the sets read once for all, as one compiled call.
+    out, h: [T, D]; fc1: [R, D]; fc2: [F, R]; given: [T, F] uint8, or no rows; bd: [D] or [0]; chunks:
+    sparse_ffn_batch's accumulators."""
     T, D = h.shape
     F = bundle.shape[0]
     x = np.empty_like(h)
     norm(x, h, ffn_norm, ffn_norm_b, eps)
     logits = np.empty((T, F), np.float32)
     predictor(logits, np.empty((T, n_rows(fc1)), np.float32), h, fc1, fc2)
-    picked = np.empty((T, F), np.uint8)  # token t computes neuron i
-    for t in range(T):
-        for i in range(F):
-            picked[t, i] = logits[t, i] >= threshold
+    picked = given if given.shape[0] else np.empty((T, F), np.uint8)  # token t computes neuron i
+    if not given.shape[0]:
+        for t in range(T):
+            for i in range(F):
+                picked[t, i] = logits[t, i] >= threshold
     union, mask = np.empty(F, np.int32), np.empty((T, F), np.uint8)
     n = union_mask(union, mask, picked)
     sparse_ffn_batch(out, np.empty((chunks, T, D), np.float32), x, bundle, bias, union, n, mask, kind, thr)

@@ -49,6 +49,7 @@ GEMM_SHARE = 0.25
 
 
 EMPTY = np.zeros(0, F32)  # an absent norm or bias, as the kernels take it (fast.cpu.norm, add_bias)
+NO_PICKS = np.zeros((0, 0), np.uint8)  # cpu.ffn_batch_block's sets by the predictor's threshold
 
 
 @dataclass
@@ -363,9 +364,10 @@ class Engine(Decoder):
                           eps)
             return y
         sel = self.selector
-        if sel.by_threshold and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu:
-            cpu.ffn_batch_block(y, h, w, b, sel.fc1[l], sel.fc2[l], sel.threshold, L.bundle, L.bu, L.bd, len(self.acc),
-                                self.kind, self.thr, eps)
+        if (sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu:
+            given = np.ascontiguousarray(sel.pick_rows(l, None, T), np.uint8) if sel.ahead else NO_PICKS
+            cpu.ffn_batch_block(y, h, w, b, sel.fc1[l], sel.fc2[l], sel.threshold, given, L.bundle, L.bu, L.bd,
+                                len(self.acc), self.kind, self.thr, eps)
             return y
         x = np.empty_like(h)
         cpu.norm(x, h, w, b, eps)

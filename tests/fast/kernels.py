@@ -211,10 +211,12 @@ def case_ffn_block(rng, F, D, n_active, kind, chunks=3, fmt="f32", norm="rms", g
             want(normed(h[None].astype(np.float64))[0], active, kind) + (0 if gated else bd))
 
 
-def case_ffn_batch_block(rng, T, F, D, R, kind, share=0.3, chunks=3, fmt="f32", norm="rms", gated=True, runs=False):
+def case_ffn_batch_block(rng, T, F, D, R, kind, share=0.3, chunks=3, fmt="f32", norm="rms", gated=True, runs=False,
+                         given=False):
     """T tokens through the predictor, its threshold (each token about `share` of the neurons: the threshold in the
     widest gap between logits near that quantile, so that float32 and float64 logits pick alike; 0 and 1: none and
-    all), the FFN's norm and each token's sparse FFN over its own set."""
+    all), the FFN's norm and each token's sparse FFN over its own set; `given`: random sets instead of the threshold's
+    (a selector that picks without the logits)."""
     h = randn(rng, T, D, scale=3)
     w, b, normed = norm_weights(rng, D, norm)
     bundle, bu, want = ffn_weights(rng, F, D, fmt, gated, runs)
@@ -228,11 +230,13 @@ def case_ffn_batch_block(rng, T, F, D, R, kind, share=0.3, chunks=3, fmt="f32", 
         lo = max(0, int((1 - share) * v.size) - 4)
         i = lo + int(np.argmax(np.diff(v)[lo:lo + 8]))
         threshold = (v[i] + v[i + 1]) / 2
+    picks = (rng.random((T, F)) < share) if given else logits >= threshold  # [T, F]
     x = normed(h.astype(np.float64))
     out = np.empty((T, D), F32)
-    return (lambda k: (k.ffn_batch_block(out, h, w, b, fc1, fc2, F32(threshold), bundle, bu, bd, chunks, KINDS[kind],
-                                         F32(0.1), 1e-5), out)[1],
-            np.stack([want(x[t], np.flatnonzero(logits[t] >= threshold).astype(np.int32), kind) for t in range(T)])
+    return (lambda k: (k.ffn_batch_block(out, h, w, b, fc1, fc2, F32(threshold),
+                                         picks.astype(np.uint8) if given else np.zeros((0, 0), np.uint8), bundle, bu,
+                                         bd, chunks, KINDS[kind], F32(0.1), 1e-5), out)[1],
+            np.stack([want(x[t], np.flatnonzero(picks[t]).astype(np.int32), kind) for t in range(T)])
             + (0 if gated else bd))
 
 
@@ -380,6 +384,8 @@ SHAPES = [
     ("ffn_batch_block", dict(T=4, F=9, D=8, R=3, kind="relu", share=0), False),  # empty sets: no union
     ("ffn_batch_block", dict(T=3, F=12, D=9, R=4, kind="relu", share=1, chunks=7), False),
     ("ffn_batch_block", dict(T=5, F=40, D=19, R=6, kind="relu", norm="layer", gated=False), False),
+    ("ffn_batch_block", dict(T=6, F=30, D=19, R=5, kind="relu", given=True), False),  # a pick without the logits
+    ("ffn_batch_block", dict(T=3, F=12, D=9, R=4, kind="relu", share=0, given=True), False),
     # every weight-reading kernel in every format fast.cpu reads
     *[(name, {**shape, "fmt": fmt}, False) for fmt in ("f16", "bf16") for name, shape in (
         ("matmul", dict(T=2, N=301, K=9)), ("matmul", dict(T=1, N=7, K=40)), ("matmul", dict(T=6, N=150, K=20)),
