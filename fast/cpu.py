@@ -1075,8 +1075,10 @@ def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, given, bu
     norm(x, h, ffn_norm, ffn_norm_b, eps)
     logits = np.empty((T, F), np.float32)
     predictor(logits, np.empty((T, n_rows(fc1)), np.float32), h, fc1, fc2)
-    picked = given if given.shape[0] else np.empty((T, F), np.uint8)  # token t computes neuron i
-    if not given.shape[0]:
+    if given.shape[0]:
+        picked = given  # token t computes neuron i
+    else:
+        picked = np.empty((T, F), np.uint8)
         for t in range(T):
             for i in range(F):
                 picked[t, i] = logits[t, i] >= threshold
