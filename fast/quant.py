@@ -28,6 +28,7 @@ from numba.core import config as numba_config
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import from_dtype
 
+from fast.pages import on_huge_pages
 from ref.common.formats import FORMATS
 from ref.quant import format_of_blocks
 
@@ -1279,10 +1280,10 @@ def for_sparse(bundle: np.ndarray) -> np.ndarray:
     """Neuron bundles [F, P, B] as fast.cpu.sparse_ffn reads them fastest: q8_0 and q4_0 rows in runs (RUNS) where B
     divides by RUN and the bundle has rows to take dot products with (P > 1; the dense layout's down rows alone read
     faster as blocks); other formats and shapes as they are. Runs also read the down rows (y += a down_i), at 1.2x
-    (q4_0) to 1.8x (q8_0) the cost of blocks, that the neuron's rows stay one bundle."""
+    (q4_0) to 1.8x (q8_0) the cost of blocks, that the neuron's rows stay one bundle. On huge pages (fast.pages)."""
     fast = (any(FORMATS[n].dtype == bundle.dtype for n in RUNS) and bundle.ndim == 3 and bundle.shape[1] > 1
             and bundle.shape[-1] % RUN == 0)
-    return to_runs(bundle) if fast else bundle
+    return on_huge_pages(to_runs(bundle) if fast else bundle)
 
 
 def plain(w: np.ndarray) -> np.ndarray:
@@ -1312,6 +1313,6 @@ def plain(w: np.ndarray) -> np.ndarray:
 
 def for_matmul(w: np.ndarray) -> np.ndarray:
     """A matrix [N, B] as fast.cpu.matmul reads it fastest: q8_0 and q4_0 rows interleaved in groups (INTERLEAVED)
-    where N divides by ROWS; other formats and shapes as they are."""
+    where N divides by ROWS; other formats and shapes as they are; on huge pages (fast.pages)."""
     fast = any(FORMATS[n].dtype == w.dtype for n in INTERLEAVED) and w.ndim == 2 and w.shape[0] % ROWS == 0
-    return interleave(w) if fast else w
+    return on_huge_pages(interleave(w) if fast else w)

@@ -248,6 +248,29 @@ def test_runs_are_blocks_rearranged(fmt):
     np.testing.assert_allclose(axpys(r, 512), axpys(b, 512), rtol=1e-6, atol=1e-6)
 
 
+def test_small_layouts_land_on_huge_page_arenas():
+    """for_matmul and for_sparse copy what numpy leaves on 4 KiB pages (under 4 MiB) into 2 MiB-aligned arenas
+    (fast.pages) with the same bytes, each array on its own cache lines; a large array and an empty one stay as they
+    are; an arena full for the next array starts a new chunk."""
+    import numpy as np
+
+    from fast import pages, quant
+    from ref.quant import blocks, quantize
+    b = blocks(quantize(np.random.default_rng(11).standard_normal((16, 64)).astype(np.float32), "q4_0"))
+    floats = np.arange(32, dtype=np.float32).reshape(4, 8)
+    for laid in (quant.for_matmul(b), quant.for_sparse(b.reshape(8, 2, 2)), quant.for_matmul(floats)):
+        assert np.shares_memory(laid, pages.ARENA.chunk) and laid.ctypes.data % pages.ALIGN == 0
+    assert quant.plain(quant.for_matmul(b)).tobytes() == b.tobytes()
+    assert quant.for_matmul(floats).tobytes() == floats.tobytes()
+    large, empty = np.zeros(pages.NUMPY_ADVISES, np.uint8), np.zeros((0, 4), np.float32)
+    assert pages.on_huge_pages(large) is large and pages.on_huge_pages(empty) is empty
+    arena = pages.Arena()
+    x, y = arena.take(100), arena.take(1)
+    assert y.ctypes.data - x.ctypes.data == 128 and x.ctypes.data % pages.HUGE == 0
+    z = arena.take(pages.CHUNK)
+    assert z.size == pages.CHUNK and z.ctypes.data % pages.HUGE == 0 and not np.shares_memory(z, x)
+
+
 def test_exp_le0_is_exp_to_an_ulp():
     """attend's vectorisable exponential against numpy's in float64, over softmax's range x <= 0 (and at the clamp)."""
     import numpy as np
