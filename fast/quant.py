@@ -377,10 +377,11 @@ def _block_loop(builder, n, init, body):
     return out
 
 
-def _prefetch(builder, base, offset, limit):
-    """Hint base[offset] into the caches if offset < limit (bytes): never past what the caller will read."""
+def _prefetch(builder, base, offset, limit, locality=3):
+    """Hint base[offset] into the caches (locality 3: L1, 2: L2) if offset < limit (bytes): never past what the
+    caller will read."""
     with builder.if_then(builder.icmp_signed("<", offset, limit), likely=True):
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(base, [offset]), I32(0), I32(3), I32(1))
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(base, [offset]), I32(0), I32(locality), I32(1))
 
 
 @intrinsic
@@ -736,28 +737,33 @@ def _group_term(builder, operands, token, d8):
     return builder.fmul(builder.sitofp(total, _vec(F32, n)), builder.fmul(d8, xd), flags=("fast",))
 
 
-def _dot8_codegen(fmt, streams, n_tokens, runs=False):
+def _dot8_codegen(fmt, streams, n_tokens, runs=False, ahead=False):
     """Codegen of `streams` groups of interleaved rows against `n_tokens` Q8_0 tokens: one token (x [K], xd [B],
     xs [B, 8]) or tokens t_k of x [T, K] (xd [T, B], xs [T, B, 8]); each group block unpacked once for all tokens,
     each token block loaded once for all groups. Sums group by group, token by token.
     With `runs`, `streams` rows in RUNS against tokens laid out for them (xs [T, B / RUN, RUN]): lanes are blocks,
     one sum per row and token.
     Where vpdpbusd has 16 lanes (WIDE), an even number of streams goes two by two, side by side in 16 lanes: half
-    the instructions for the same products."""
+    the instructions for the same products.
+    With `ahead`, `streams` more rows follow the rows (the ones the caller reads next) and each step hints the same
+    offset of each into L2: their misses spread over this pass instead of arriving at once."""
     gb = (RUNS if runs else INTERLEAVED)[fmt.name].itemsize  # bytes of a group block, or of a run
     width = 2 if WIDE and streams % 2 == 0 else 1  # streams per vector
     n_acc, lanes_t = streams // width * max(n_tokens, 1), _vec(F32, 8 * width)
 
     def codegen(context, builder, sig, args):
-        ws, (x_, xd_, xs_, reach_), ts = args[:streams], args[streams:streams + 4], args[streams + 4:]
+        nw = 2 * streams if ahead else streams  # rows, and the rows ahead
+        ws, (x_, xd_, xs_, reach_), ts = args[:streams], args[nw:nw + 4], args[nw + 4:]
         n = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, ws[0]).shape)[0]
         wp0s = [_data(context, builder, t, w_) for t, w_ in zip(sig.args, ws)]
-        xp0 = _data(context, builder, sig.args[streams], x_)
-        dp0 = builder.bitcast(_data(context, builder, sig.args[streams + 1], xd_), F32.as_pointer())
-        sp0 = builder.bitcast(_data(context, builder, sig.args[streams + 2], xs_), I32.as_pointer())
+        aps = [_data(context, builder, t, a_) for t, a_ in zip(sig.args[streams:nw], args[streams:nw])]
+        xp0 = _data(context, builder, sig.args[nw], x_)
+        dp0 = builder.bitcast(_data(context, builder, sig.args[nw + 1], xd_), F32.as_pointer())
+        sp0 = builder.bitcast(_data(context, builder, sig.args[nw + 2], xs_), I32.as_pointer())
         limit = builder.mul(reach_, I64(gb))
+        row = builder.mul(n, I64(gb))  # bytes of a row (and of a row ahead)
         if ts:  # token t's rows: quants at t K, scales at t B, correction lanes at 8 t B
-            K = cgutils.unpack_tuple(builder, context.make_array(sig.args[streams])(context, builder, x_).shape)[1]
+            K = cgutils.unpack_tuple(builder, context.make_array(sig.args[nw])(context, builder, x_).shape)[1]
             B = builder.sdiv(K, I64(BLOCK))
             lanes = B if runs else builder.mul(B, I64(8))  # correction lanes per token
             tokens = [(builder.gep(xp0, [builder.mul(t, K)]), builder.gep(dp0, [builder.mul(t, B)]),
@@ -781,10 +787,12 @@ def _dot8_codegen(fmt, streams, n_tokens, runs=False):
             out = accs
             for j in range(streams // width):
                 ps = []
-                for wp0 in wp0s[j * width:(j + 1) * width]:
+                for s in range(j * width, (j + 1) * width):
                     for line in range(0, gb, 64):
-                        _prefetch(builder, wp0, builder.add(off, I64(AHEAD + line)), limit)
-                    ps.append(builder.gep(wp0, [off]))
+                        _prefetch(builder, wp0s[s], builder.add(off, I64(AHEAD + line)), limit)
+                        if ahead:
+                            _prefetch(builder, aps[s], builder.add(off, I64(line)), row, locality=2)
+                    ps.append(builder.gep(wp0s[s], [off]))
                 operands = _group_operands(builder, fmt, ps)
                 d8 = _joined(builder, [builder.fpext(_read(builder, p, _vec(ir.HalfType(), ROWS)), _vec(F32, 8))
                                        for p in ps])
@@ -876,6 +884,16 @@ def run_dot4(typingctx, w0, w1, w2, w3, x, xd, xs, reach):
     if fmt is None:
         return None
     return types.UniTuple(types.float32, 4)(w0, w1, w2, w3, x, xd, xs, reach), _dot8_codegen(fmt, 4, 0, runs=True)
+
+
+@intrinsic
+def run_dot4_ahead(typingctx, w0, w1, w2, w3, a0, a1, a2, a3, x, xd, xs, reach):
+    """run_dot4, hinting rows a0..a3 (the four read next) into L2 as these are read, line for line."""
+    fmt = RUN_FORMATS.get(w0.dtype)
+    if fmt is None or any(a.dtype != w0.dtype for a in (a0, a1, a2, a3)):
+        return None
+    return (types.UniTuple(types.float32, 4)(w0, w1, w2, w3, a0, a1, a2, a3, x, xd, xs, reach),
+            _dot8_codegen(fmt, 4, 0, runs=True, ahead=True))
 
 
 @intrinsic
@@ -987,6 +1005,29 @@ def _dot4(w0, w1, w2, w3, x, xq, xd, xs):
         return lambda w0, w1, w2, w3, x, xq, xd, xs: run_dot4(w0, w1, w2, w3, xq, xd, xs, np.int64(2 * w0.shape[0]))
     return lambda w0, w1, w2, w3, x, xq, xd, xs: (dot(w0, x, xq, xd, xs), dot(w1, x, xq, xd, xs), dot(w2, x, xq, xd, xs),
                                               dot(w3, x, xq, xd, xs))
+
+
+def dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs):
+    """dot4 of rows w0..w3, where a0..a3 are the rows read next: rows in runs hint them into L2 line for line as
+    these are read (run_dot4_ahead; within these rows only, not into the rows after them); other rows leave the
+    hints to the caller (hints_ahead)."""
+
+
+@overload(dot4_ahead)
+def _dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs):
+    if in_runs(w0):
+        return lambda w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs: run_dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, xq,
+                                                                                  xd, xs, np.int64(w0.shape[0]))
+    return lambda w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs: dot4(w0, w1, w2, w3, x, xq, xd, xs)
+
+
+def hints_ahead(bundle) -> bool:
+    """Whether dot4_ahead hints the rows ahead itself for this bundle's rows (rows in runs)."""
+
+
+@overload(hints_ahead)
+def _hints_ahead(bundle):
+    return (lambda bundle: True) if bundle.dtype in RUN_FORMATS else (lambda bundle: False)
 
 
 def dot(w, x, xq, xd, xs):

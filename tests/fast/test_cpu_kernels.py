@@ -189,8 +189,9 @@ def test_interleaved_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
 @pytest.mark.parametrize("isa", ["vnni512", "vnni", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_run_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
-    """Rows in runs (fast.quant.RUNS: lanes are blocks): one row, four rows at once, one row against four and two
-    tokens, against ref's values; the token laid out by quantize_input as the runs read it."""
+    """Rows in runs (fast.quant.RUNS: lanes are blocks): one row, four rows at once (also hinting four others on the
+    way), one row against four and two tokens, against ref's values; the token laid out by quantize_input as the runs
+    read it."""
     import numpy as np
     from numba import njit
 
@@ -205,18 +206,20 @@ def test_run_dot_products_in_every_isa(monkeypatch, request, isa, fmt):
         four = quant.run_dot4(w[3], w[0], w[2], w[1], xq[0], xd[0], xs[0], reach)
         tokens = quant.run_dot4t(w[2], xq, xd, xs, reach, np.int64(4), np.int64(0), np.int64(2), np.int64(1))
         two = quant.run_dot2t(w[0], xq, xd, xs, reach, np.int64(3), np.int64(0))
-        return one, four, tokens, two
+        ahead = quant.run_dot4_ahead(w[3], w[0], w[2], w[1], w[0], w[0], w[1], w[2], xq[0], xd[0], xs[0], reach)
+        return one, four, tokens, two, ahead
 
     rng = np.random.default_rng(9)
     t = quantize(rng.standard_normal((4, 32 * 24)).astype(np.float32), fmt)  # 4 rows of 3 runs
     w = quant.to_runs(blocks(t))
     x = rng.standard_normal((5, 32 * 24)).astype(np.float32) * 3
     want = values(blocks(t)).astype(np.float64) @ input_values(x, t).astype(np.float64).T  # [4, 5]
-    one, four, tokens, two = products(w, x)
+    one, four, tokens, two, ahead = products(w, x)
     np.testing.assert_allclose(one, want[1, 0], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(four, want[[3, 0, 2, 1], 0], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(tokens, want[2, [4, 0, 2, 1]], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(two, want[0, [3, 0]], rtol=1e-5, atol=1e-4)
+    assert ahead == four  # the same products; the hints change no result
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
