@@ -402,18 +402,18 @@ class Engine(Decoder):
         sel, c = self.selector, self.config
         if self.layers[0].gate_up is not None or (sel.predicts and not sel.by_threshold and not sel.ahead):
             return None
-        key = (Layer.edits, sel, *self.layers)  # a transform that replaces a layer's array is a Layer edit
+        key = (sel, *self.layers)  # and the edits: a transform that replaces a layer's array is a Layer edit
         kept = getattr(self, "_step", None)
-        if kept is not None and kept[0][0] == key[0] and len(kept[0]) == len(key) and all(
-                a is b for a, b in zip(kept[0][1:], key[1:])):
-            return kept[1]
+        if (kept is not None and kept[0] == Layer.edits and len(kept[1]) == len(key)
+                and all(a is b for a, b in zip(kept[1], key))):
+            return kept[2]
         none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
         rows = List()
         for l, L in enumerate(self.layers):
             post = (L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
             rows.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
                          L.wo, L.bo, L.bundle, L.bu, L.bd, *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
-        self._step = (key, rows)
+        self._step = (Layer.edits, key, rows)
         return rows
 
     def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, layers: List) -> None:
