@@ -1094,44 +1094,57 @@ def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, given, bu
 
 
 @njit(cache=True, nogil=True)
-def decode_step(h, layers, k_caches, v_caches, seq, pos, cos, sin, eps, threshold, given, bounds, acc, kind, thr,
-                block):
-    """One token of sequence `seq` at position `pos` through every block, in place on its residual stream h [1, D]
-    (fast.engine's pre_norm_block, post_norm_block or parallel_block by the code `block`, BLOCKS): attention_block,
-    then ffn_block over the token's set: the predictor's threshold where `bounds` is empty, else layer l's given set
-    given[bounds[l]:bounds[l + 1]] (a pick that does not read the logits; the predictor still runs where there is
-    one).
+def decode_step(h, layers, k_caches, v_caches, seqs, positions, cos, sin, eps, threshold, given, bounds, picks, acc,
+                kind, thr, block):
+    """One new token of each of T sequences (token t of sequence seqs[t] at positions[t]) through every block, in
+    place on their residual streams h [T, D] (fast.engine's pre_norm_block, post_norm_block or parallel_block by
+    the code `block`, BLOCKS): the attention (attention_block for one token, decode_attention_block for several),
+    then the FFN over each token's set (step_ffn).
     layers[l]: layer l's arrays as one tuple: the norms' weights and biases before attention, before the FFN, after
     attention and after the FFN (EMPTY where the block has none), wqkv, bqkv, wo, bo, bundle, bu, bd, fc1, fc2 (no
-    rows where there is no predictor); k_caches[l][seq], v_caches[l][seq]: [room, K, E].
+    rows where there is no predictor); k_caches[l][seq], v_caches[l][seq]: [room, K, E]; given, bounds, picks: the
+    sets a pick gives without reading the logits (step_ffn).
 
-    One compiled call per token instead of four per layer from Python: once a token's weights have streamed through
+    One compiled call per step instead of four per layer from Python: once a token's weights have streamed through
     the caches, each return to the interpreter runs from memory (TinyLlama q4_0, 90 % sparse, a 1 GiB read between
-    tokens: 1.2 ms of an 11.2 ms token outside the kernels). One typed list of tuples, since numba types a tuple of
-    typed lists slowly: the 17 per-layer lists as four tuples cost 80 us a call, this list 1 us."""
-    F = layers[0][12].shape[0]  # the bundle's neurons
-    a, y = np.empty_like(h), np.empty_like(h)  # [1, D]
+    tokens: 1.2 ms of an 11.2 ms token outside the kernels; 8 sequences decoding together, 2 threads, old and new
+    processes alternating: q4_0 29.8 to 30.5 -> 29.2 to 29.7 ms a step, f32 106.8 to 108.7 -> 105.4 to 106.4).
+    One typed list of tuples, since numba types a tuple of typed lists slowly: the 17 per-layer lists as four
+    tuples cost 80 us a call, this list 1 us."""
+    T, F = h.shape[0], layers[0][12].shape[0]  # tokens, the bundle's neurons
+    a, y = np.empty_like(h), np.empty_like(h)  # [T, D]
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(layers)):
         (pre_a_w, pre_a_b, pre_f_w, pre_f_b, post_a_w, post_a_b, post_f_w, post_f_b, wqkv, bqkv, wo, bo, bundle, bu, bd,
          fc1, fc2) = layers[l]
         if block == 2:  # parallel: the FFN reads the layer input too
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
-                     kind, thr, eps)
-        attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_caches[l][seq], v_caches[l][seq], cos, sin, pos,
-                        eps)
+            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, picks, logits, active,
+                     acc, kind, thr, eps)
+        if T == 1:
+            attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_caches[l][seqs[0]], v_caches[l][seqs[0]], cos,
+                            sin, positions[0], eps)
+        else:
+            decode_attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_caches[l], v_caches[l], seqs,
+                                   positions, cos, sin, eps)
         h += a
         norm(h, h, post_a_w, post_a_b, eps)
         if block != 2:
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc,
-                     kind, thr, eps)
+            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, picks, logits, active,
+                     acc, kind, thr, eps)
         h += y
         norm(h, h, post_f_w, post_f_b, eps)
 
 
 @njit(inline="always")
-def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, logits, active, acc, kind, thr, eps):
-    """y = layer l's ffn_block of h [1, D] over its set (decode_step's pick)."""
+def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, picks, logits, active, acc, kind, thr,
+             eps):
+    """y = layer l's FFN block of h [T, D] over each token's set: one token's ffn_block over the predictor's
+    threshold where `bounds` is empty, else over layer l's given set given[bounds[l]:bounds[l + 1]] (a pick that
+    does not read the logits; the predictor still runs where there is one); several tokens' ffn_batch_block over
+    picks[l] [T, F], or the threshold where it has no rows (picks [L, 0, 0])."""
+    if h.shape[0] > 1:
+        ffn_batch_block(y, h, w, b, fc1, fc2, threshold, picks[l], bundle, bu, bd, acc.shape[0], kind, thr, eps)
+        return
     if fc1.shape[0]:
         predictor(logits, np.empty((1, n_rows(fc1)), np.float32), h, fc1, fc2)
     if len(bounds):

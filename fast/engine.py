@@ -382,11 +382,11 @@ class Engine(Decoder):
         return y
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run. One token: every block
-        in one compiled call (cpu.decode_step) where the layout and the selector allow it."""
+        """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run. Every block in one
+        compiled call (cpu.decode_step) where the step, the layout and the selector allow it (one_call)."""
         runs = check_batch(batch, cache, self.config)
         h = self.embed_tokens(batch)  # [T, D]
-        layers = self.step_layers() if len(batch.tokens) == 1 else None
+        layers = self.step_layers() if self.one_call(h, runs) else None
         if layers is not None:
             self.decode_step(h, batch, cache, layers)
         else:
@@ -394,6 +394,14 @@ class Engine(Decoder):
                 self.block(l, h, batch, cache)
         advance(cache, runs)
         return self.output(np.ascontiguousarray(h[batch.output_rows()]))
+
+    def one_call(self, h: np.ndarray, runs: list) -> bool:
+        """Whether a step of h [T, D] may run as cpu.decode_step: one token, or one token of each of several
+        sequences that the per-layer path would run as one compiled call per block (attention_block's decoding
+        case, ffn_block's ffn_batch_block case)."""
+        T, sel = h.shape[0], self.selector
+        return T == 1 or (len(runs) == T and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu
+                          and (sel.by_threshold or sel.predicts and sel.ahead))
 
     def step_layers(self) -> List | None:
         """The per-layer arrays cpu.decode_step reads, one tuple a layer in a typed list, kept until a transform
@@ -417,14 +425,16 @@ class Engine(Decoder):
         return rows
 
     def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, layers: List) -> None:
-        """Every block for one token h [1, D], in place, as cpu.decode_step."""
-        sel, seq = self.selector, batch.seqs[0]
-        sets = sel.given_sets(self.config.n_layers)  # as one array, layer l's from bounds[l] (a typed list: 0.2 ms)
+        """Every block for one token of each sequence of the batch, h [T, D], in place, as cpu.decode_step."""
+        sel, L, T = self.selector, self.config.n_layers, h.shape[0]
+        sets = sel.given_sets(L) if T == 1 else None  # as one array, layer l's from bounds[l] (a typed list: 0.2 ms)
         given = np.concatenate(sets) if sets else sel.all[:0]
         bounds = np.cumsum([0] + [len(s) for s in sets]) if sets else np.zeros(0, np.int64)
+        picks = (np.stack([sel.pick_rows(l, None, T) for l in range(L)]).view(np.uint8) if T > 1 and sel.ahead
+                 else np.zeros((L, 0, 0), np.uint8))  # several tokens' sets [L, T, F], or the threshold's
         k_caches, v_caches = self.layer_views(cache)
-        cpu.decode_step(h, layers, k_caches, v_caches, seq, batch.positions[0], self.cos, self.sin,
-                        F32(self.config.norm_eps), sel.threshold, given, bounds, self.acc, self.kind, self.thr,
+        cpu.decode_step(h, layers, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin,
+                        F32(self.config.norm_eps), sel.threshold, given, bounds, picks, self.acc, self.kind, self.thr,
                         cpu.BLOCKS[self.config.block])
 
     def embed_tokens(self, batch: Batch) -> np.ndarray:

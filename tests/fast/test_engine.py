@@ -154,6 +154,32 @@ def test_one_token_steps_match_the_prompt_path_after_transforms(small, monkeypat
     assert len(calls) == 3 * len(ids)
 
 
+@pytest.mark.parametrize("pick", ["threshold", "ahead"])
+def test_several_sequences_decode_in_one_call_as_the_per_layer_path(small, pick, monkeypatch):
+    """One new token of each of several sequences (at different positions) runs every block in one compiled call
+    (cpu.decode_step): its logits equal the per-layer path's (Engine.one_call off), with the predictor's threshold
+    and with sets drawn ahead (fast.bench.SyntheticSelector: the step passes every layer's picks at once)."""
+    from fast.bench import SyntheticSelector, synthetic_predictors
+
+    def steps(one_call):
+        e = sparse_engine(small)
+        if pick == "ahead":
+            e.selector = SyntheticSelector(synthetic_predictors(e.config, 16), e.config, 0.7)
+        monkeypatch.setattr(Engine, "one_call", lambda self, h, runs: one_call and h.shape[0] == len(runs) < 4)
+        cache, prompts = e.new_cache(slots=3), {0: [1, 4, 9, 16], 1: [2], 2: [5, 10, 15]}
+        out = [e.forward(Batch.of(list(prompts.items()), cache), cache)]  # a prompt step: per layer
+        for t in range(3):
+            out.append(e.forward(Batch.of([(s, [3 * t + s + 1]) for s in prompts], cache), cache))
+        return np.concatenate(out)
+
+    calls, step = [], fast.cpu.decode_step
+    monkeypatch.setattr(fast.cpu, "decode_step", lambda *a: calls.append(a[0].shape[0]) or step(*a))
+    want = steps(False)
+    assert calls == []
+    assert_close(steps(True), want, rtol=1e-6)
+    assert calls == [3] * 3
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_dense_layout_is_ref_and_bundles_again(small, fmt, monkeypatch):
     """dense_ffn: gate and up rows as one interleaved matrix, the bundles the down rows only; ref's logits at that
