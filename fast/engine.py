@@ -12,6 +12,7 @@ V vocab, R predictor hidden size, C accumulator chunks.
 
 import os
 import time
+from itertools import accumulate
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -50,6 +51,7 @@ GEMM_SHARE = 0.25
 
 EMPTY = np.zeros(0, F32)  # an absent norm or bias, as the kernels take it (fast.cpu.norm, add_bias)
 NO_PICKS = np.zeros((0, 0), np.uint8)  # cpu.ffn_batch_block's sets by the predictor's threshold
+NO_SETS, NO_BOUNDS = np.zeros(0, np.int32), np.zeros(0, np.int64)  # cpu.decode_step's given sets: none
 
 
 @dataclass
@@ -217,6 +219,7 @@ class Engine(Decoder):
         self.kind, self.thr = cpu.KINDS[c.ffn_kind], F32(c.act_threshold)
         self.acc = np.empty((2 * self.threads, c.d_model), F32)  # per-chunk private accumulators
         self.selector = Selector(c.d_ffn)
+        self.no_picks = np.zeros((c.n_layers, 0, 0), np.uint8)  # decode_step's picks where the threshold decides
 
     @staticmethod
     def load(path: str | Path | Weights, threads: int | None = None, fmt: Format | None = None) -> "Engine":
@@ -428,10 +431,10 @@ class Engine(Decoder):
         """Every block for one token of each sequence of the batch, h [T, D], in place, as cpu.decode_step."""
         sel, L, T = self.selector, self.config.n_layers, h.shape[0]
         sets = sel.given_sets(L) if T == 1 else None  # as one array, layer l's from bounds[l] (a typed list: 0.2 ms)
-        given = np.concatenate(sets) if sets else sel.all[:0]
-        bounds = np.cumsum([0] + [len(s) for s in sets]) if sets else np.zeros(0, np.int64)
+        given = np.concatenate(sets) if sets else NO_SETS
+        bounds = np.array([0, *accumulate(len(s) for s in sets)]) if sets else NO_BOUNDS
         picks = (np.stack([sel.pick_rows(l, None, T) for l in range(L)]).view(np.uint8) if T > 1 and sel.ahead
-                 else np.zeros((L, 0, 0), np.uint8))  # several tokens' sets [L, T, F], or the threshold's
+                 else self.no_picks)  # several tokens' sets [L, T, F], or none: the threshold's
         k_caches, v_caches = self.layer_views(cache)
         cpu.decode_step(h, layers, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin,
                         F32(self.config.norm_eps), sel.threshold, given, bounds, picks, self.acc, self.kind, self.thr,
