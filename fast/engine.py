@@ -12,8 +12,8 @@ V vocab, R predictor hidden size, C accumulator chunks.
 
 import os
 import time
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import ClassVar
 
@@ -367,7 +367,7 @@ class Engine(Decoder):
                           eps)
             return y
         sel = self.selector
-        if (sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu:
+        if self.ffn_in_one_call(h):
             given = np.ascontiguousarray(sel.pick_rows(l, None, T), np.uint8) if sel.ahead else NO_PICKS
             cpu.ffn_batch_block(y, h, w, b, sel.fc1[l], sel.fc2[l], sel.threshold, given, L.bundle, L.bu, L.bd,
                                 len(self.acc), self.kind, self.thr, eps)
@@ -400,11 +400,15 @@ class Engine(Decoder):
 
     def one_call(self, h: np.ndarray, runs: list) -> bool:
         """Whether a step of h [T, D] may run as cpu.decode_step: one token, or one token of each of several
-        sequences that the per-layer path would run as one compiled call per block (attention_block's decoding
+        sequences whose blocks the per-layer path would run as one compiled call each (attention_block's decoding
         case, ffn_block's ffn_batch_block case)."""
-        T, sel = h.shape[0], self.selector
-        return T == 1 or (len(runs) == T and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu
-                          and (sel.by_threshold or sel.predicts and sel.ahead))
+        return h.shape[0] == 1 or (len(runs) == h.shape[0] and self.ffn_in_one_call(h))
+
+    def ffn_in_one_call(self, h: np.ndarray) -> bool:
+        """Whether the FFN block of several tokens h [T, D] runs as cpu.ffn_batch_block: one chunk on fast.cpu's
+        kernels, its sets the predictor's threshold or a pick drawn ahead."""
+        sel, T = self.selector, h.shape[0]
+        return (sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu
 
     def step_layers(self) -> List | None:
         """The per-layer arrays cpu.decode_step reads, one tuple a layer in a typed list, kept until a transform
