@@ -1027,7 +1027,7 @@ def hints_ahead(bundle) -> bool:
 
 @overload(hints_ahead)
 def _hints_ahead(bundle):
-    return (lambda bundle: True) if bundle.dtype in RUN_FORMATS else (lambda bundle: False)
+    return (lambda bundle: True) if in_runs(bundle) else (lambda bundle: False)
 
 
 def dot(w, x, xq, xd, xs):
