@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fast import cpu
-from fast.engine import Engine, Selector, dense_ffn
+from fast.engine import Engine, Selector, dense_ffn, joined
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.config import ModelConfig
@@ -101,12 +101,22 @@ class SyntheticSelector(Selector):
             for i, s in enumerate(layer):
                 m[i, s] = 1
             self.masks.append(m)
+        # Draw k of every layer joined as given_sets returns them: a real predictor's step has no such work to do
+        self.joined = [joined([layer[k] for layer in self.sets]) for k in range(pool)]
         self.calls = [0] * cfg.n_layers
 
     def pick(self, l: int, logits: np.ndarray) -> np.ndarray:
         """The next pre-drawn active set of layer l, whatever the predictor said."""
         self.calls[l] += 1
         return self.sets[l][self.calls[l] % len(self.sets[l])]
+
+    def given_sets(self, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every layer's next set (pick), joined as Selector.given_sets returns them."""
+        k = self.calls[0] + 1
+        if self.calls != [k - 1] * n_layers:
+            return super().given_sets(n_layers)
+        self.calls = [k] * n_layers
+        return self.joined[k % len(self.joined)]
 
     def pick_rows(self, l: int, logits: np.ndarray, T: int) -> np.ndarray:
         """The next T sets of layer l as a mask [T, F], at once (a real predictor's threshold is one comparison)."""

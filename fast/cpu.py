@@ -1094,38 +1094,43 @@ def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, given, bu
 
 
 @njit(cache=True, nogil=True)
-def decode_step(h, layers, k_caches, v_caches, seqs, positions, cos, sin, eps, threshold, given, bounds, picks, acc,
-                kind, thr, block):
+def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given, bounds, picks, acc, kind, thr, block,
+                out_w, out_b, lm_head):
     """One new token of each of T sequences (token t of sequence seqs[t] at positions[t]) through every block, in
     place on their residual streams h [T, D] (fast.engine's pre_norm_block, post_norm_block or parallel_block by
     the code `block`, BLOCKS): the attention (attention_block for one token, decode_attention_block for several),
-    then the FFN over each token's set (step_ffn).
+    then the FFN over each token's set (step_ffn); then, where `out` has rows, the output head: logits out [T, V] =
+    lm_head . norm(h) (Engine.output; out_w, out_b the final norm's, as `norm` takes them).
     layers[l]: layer l's arrays as one tuple: the norms' weights and biases before attention, before the FFN, after
     attention and after the FFN (EMPTY where the block has none), wqkv, bqkv, wo, bo, bundle, bu, bd, fc1, fc2 (no
-    rows where there is no predictor); k_caches[l][seq], v_caches[l][seq]: [room, K, E]; given, bounds, picks: the
-    sets a pick gives without reading the logits (step_ffn).
+    rows where there is no predictor), and the layer's key and value slots as typed lists ([seq] -> [room, K, E]);
+    given, bounds, picks: the sets a pick gives without reading the logits (step_ffn).
 
     One compiled call per step instead of four per layer from Python: once a token's weights have streamed through
     the caches, each return to the interpreter runs from memory (TinyLlama q4_0, 90 % sparse, a 1 GiB read between
     tokens: 1.2 ms of an 11.2 ms token outside the kernels; 8 sequences decoding together, 2 threads, old and new
     processes alternating: q4_0 29.8 to 30.5 -> 29.2 to 29.7 ms a step, f32 106.8 to 108.7 -> 105.4 to 106.4).
-    One typed list of tuples, since numba types a tuple of typed lists slowly: the 17 per-layer lists as four
-    tuples cost 80 us a call, this list 1 us."""
+    One typed list of tuples, since numba types a tuple of typed lists slowly (the 17 per-layer lists as four
+    tuples: 80 us a call; this list 1 us) and unboxes each typed list argument from cold code after a read pass
+    (about 33 us; the caches' slots were two more lists); the output head runs here where it can, for the same
+    reason. Those two and the benchmark's sets pre-joined (SyntheticSelector.given_sets), a 1 GiB read before
+    each token, old and new processes alternating: TinyLlama-depth model with tiny matrices 935 to 948 -> 798 to
+    855 us a token, TinyLlama q4_0 10.14 to 10.37 -> 10.05 to 10.16 ms."""
     T, F = h.shape[0], layers[0][12].shape[0]  # tokens, the bundle's neurons
     a, y = np.empty_like(h), np.empty_like(h)  # [T, D]
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(layers)):
         (pre_a_w, pre_a_b, pre_f_w, pre_f_b, post_a_w, post_a_b, post_f_w, post_f_b, wqkv, bqkv, wo, bo, bundle, bu, bd,
-         fc1, fc2) = layers[l]
+         fc1, fc2, k_slots, v_slots) = layers[l]
         if block == 2:  # parallel: the FFN reads the layer input too
             step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, picks, logits, active,
                      acc, kind, thr, eps)
         if T == 1:
-            attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_caches[l][seqs[0]], v_caches[l][seqs[0]], cos,
-                            sin, positions[0], eps)
+            attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_slots[seqs[0]], v_slots[seqs[0]], cos, sin,
+                            positions[0], eps)
         else:
-            decode_attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_caches[l], v_caches[l], seqs,
-                                   positions, cos, sin, eps)
+            decode_attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_slots, v_slots, seqs, positions, cos,
+                                   sin, eps)
         h += a
         norm(h, h, post_a_w, post_a_b, eps)
         if block != 2:
@@ -1133,6 +1138,10 @@ def decode_step(h, layers, k_caches, v_caches, seqs, positions, cos, sin, eps, t
                      acc, kind, thr, eps)
         h += y
         norm(h, h, post_f_w, post_f_b, eps)
+    if out.shape[0]:
+        x = np.empty_like(h)
+        norm(x, h, out_w, out_b, eps)
+        matmul(out, x, lm_head)
 
 
 @njit(inline="always")

@@ -54,6 +54,11 @@ NO_PICKS = np.zeros((0, 0), np.uint8)  # cpu.ffn_batch_block's sets by the predi
 NO_SETS, NO_BOUNDS = np.zeros(0, np.int32), np.zeros(0, np.int64)  # cpu.decode_step's given sets: none
 
 
+def joined(sets: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer sets as one int32 array and the bounds [L + 1] of each layer's part (Selector.given_sets)."""
+    return np.concatenate(sets).astype(np.int32, copy=False), np.array([0, *accumulate(len(s) for s in sets)])
+
+
 @dataclass
 class Layer:
     """One block's weights in kernel layout, contiguous: matrices as rows of their format's blocks
@@ -149,10 +154,14 @@ class Selector(sparse.Selector):
 
     ahead = False  # a subclass whose pick ignores the logits (sets drawn in advance): a step may ask before it runs
 
-    def given_sets(self, n_layers: int) -> list[np.ndarray] | None:
+    def given_sets(self, n_layers: int) -> tuple[np.ndarray, np.ndarray] | None:
         """One token's sets of every layer before its predictor runs, where the pick does not read the logits (no
-        predictor: every neuron; a subclass's `ahead` pick); None where the predictor's threshold decides."""
-        return [self.pick(l, None) for l in range(n_layers)] if not self.predicts or self.ahead else None
+        predictor: every neuron; a subclass's `ahead` pick), as one array and where each layer's starts: layer l's
+        set is sets[bounds[l]:bounds[l + 1]] (what cpu.decode_step reads); None where the predictor's threshold
+        decides."""
+        if self.predicts and not self.ahead:
+            return None
+        return joined([self.pick(l, None) for l in range(n_layers)])
 
     @property
     def by_threshold(self) -> bool:
@@ -323,18 +332,13 @@ class Engine(Decoder):
         return Engine.typed_views(cache)[1][l]
 
     @staticmethod
-    def layer_views(cache: KVCache):
-        """Every layer's slot_views as two typed lists, keys and values: [l][seq] -> [room, K, E]."""
-        return Engine.typed_views(cache)[2]
-
-    @staticmethod
     def typed_views(cache: KVCache):
         views = getattr(cache, "typed_views", None)
         if views is None or views[0] != cache.version:
             empty = np.zeros((0, *cache.shape), F32)
             lists = [tuple(List([a if a is not None else empty for a in arrays[i]]) for arrays in (cache.k, cache.v))
                      for i in range(len(cache.k))]
-            views = cache.typed_views = (cache.version, lists, tuple(List(kv) for kv in zip(*lists)))
+            views = cache.typed_views = (cache.version, lists)
         return views
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
@@ -390,13 +394,14 @@ class Engine(Decoder):
         runs = check_batch(batch, cache, self.config)
         h = self.embed_tokens(batch)  # [T, D]
         layers = self.step_layers() if self.one_call(h, runs) else None
+        logits = None
         if layers is not None:
-            self.decode_step(h, batch, cache, layers)
+            logits = self.decode_step(h, batch, cache, layers)
         else:
             for l in range(self.config.n_layers):
                 self.block(l, h, batch, cache)
         advance(cache, runs)
-        return self.output(np.ascontiguousarray(h[batch.output_rows()]))
+        return self.output(np.ascontiguousarray(h[batch.output_rows()])) if logits is None else logits
 
     def one_call(self, h: np.ndarray, runs: list) -> bool:
         """Whether a step of h [T, D] may run as cpu.decode_step: one token, or one token of each of several
@@ -431,18 +436,32 @@ class Engine(Decoder):
         self._step = (Layer.edits, key, rows)
         return rows
 
-    def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, layers: List) -> None:
-        """Every block for one token of each sequence of the batch, h [T, D], in place, as cpu.decode_step."""
+    def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, layers: List) -> np.ndarray | None:
+        """Every block for one token of each sequence of the batch, h [T, D], in place, as cpu.decode_step; and the
+        output head where the step returns every row's logits and nothing projects before the head (-> [T, V]),
+        else None (Engine.output then runs it)."""
         sel, L, T = self.selector, self.config.n_layers, h.shape[0]
-        sets = sel.given_sets(L) if T == 1 else None  # as one array, layer l's from bounds[l] (a typed list: 0.2 ms)
-        given = np.concatenate(sets) if sets else NO_SETS
-        bounds = np.array([0, *accumulate(len(s) for s in sets)]) if sets else NO_BOUNDS
+        given, bounds = (sel.given_sets(L) if T == 1 else None) or (NO_SETS, NO_BOUNDS)  # (a typed list: 0.2 ms)
         picks = (np.stack([sel.pick_rows(l, None, T) for l in range(L)]).view(np.uint8) if T > 1 and sel.ahead
                  else self.no_picks)  # several tokens' sets [L, T, F], or none: the threshold's
-        k_caches, v_caches = self.layer_views(cache)
-        cpu.decode_step(h, layers, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin,
+        head = self.project_out is None and (batch.logits is None or len(batch.output_rows()) == T)
+        logits = np.empty((T, n_rows(self.lm_head)) if head else (0, 0), F32)
+        cpu.decode_step(logits, h, self.step_rows(layers, cache), batch.seqs, batch.positions, self.cos, self.sin,
                         F32(self.config.norm_eps), sel.threshold, given, bounds, picks, self.acc, self.kind, self.thr,
-                        cpu.BLOCKS[self.config.block])
+                        cpu.BLOCKS[self.config.block], self.norm, self.norm_b, self.lm_head)
+        return logits if head else None
+
+    @staticmethod
+    def step_rows(layers: List, cache: KVCache) -> List:
+        """step_layers' tuples, each with its layer's key and value slots (slot_views) appended: what cpu.decode_step
+        reads as one typed list, kept with the cache until its arrays or the layers change."""
+        kept = getattr(cache, "step_rows", None)
+        if kept is None or kept[0] != cache.version or kept[1] is not layers:
+            rows = List()
+            for row, slots in zip(layers, Engine.typed_views(cache)[1]):
+                rows.append((*row, *slots))
+            kept = cache.step_rows = (cache.version, layers, rows)
+        return kept[2]
 
     def embed_tokens(self, batch: Batch) -> np.ndarray:
         """The residual stream entering layer 0 (ref.model's embed): embeddings, projected where narrower, plus the

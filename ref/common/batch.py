@@ -137,7 +137,8 @@ class Batch:
             positions += range(start, start + n)
             logits += [not last_only] * (n - 1) + [True] * bool(n)
         tokens = runs[0][1] if len(runs) == 1 else np.concatenate([ids for _, ids in runs] + [np.zeros(0, np.int64)])
-        return Batch(tokens, np.array(seqs, np.int64), np.array(positions, np.int64), np.array(logits, bool))
+        return Batch(tokens, np.array(seqs, np.int64), np.array(positions, np.int64),
+                     None if all(logits) else np.array(logits, bool))
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -42,6 +42,22 @@ def test_synthetic_sets_have_the_asked_size(sparsity):
     assert np.all(np.diff(s) > 0) and s.dtype == np.int32 and len(s) < cfg.d_ffn
 
 
+def test_synthetic_given_sets_are_the_next_picks():
+    """given_sets hands out every layer's next set at once (pre-joined), the sets pick would have drawn, also after
+    the layers' draws went apart."""
+    cfg = shape_config("tiny")
+    a, b = (SyntheticSelector(synthetic_predictors(cfg, 16), cfg, 0.7, pool=4) for _ in range(2))
+    L = cfg.n_layers
+    for step in range(6):
+        if step == 3:
+            a.pick(1, None), b.pick(1, None)  # layer 1 one draw ahead of the others
+        given, bounds = a.given_sets(L)
+        want = [b.pick(l, None) for l in range(L)]
+        assert given.dtype == np.int32 and bounds.tolist() == [0, *np.cumsum([len(s) for s in want])]
+        assert given.tolist() == np.concatenate(want).tolist()
+    assert a.calls == b.calls
+
+
 def test_bench_beside_busy_processes(tmp_path):
     """--busy: spinning processes beside the run, and the default thread count leaves their core alone."""
     import os

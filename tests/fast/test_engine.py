@@ -173,7 +173,7 @@ def test_several_sequences_decode_in_one_call_as_the_per_layer_path(small, pick,
         return np.concatenate(out)
 
     calls, step, decides = [], fast.cpu.decode_step, Engine.one_call
-    monkeypatch.setattr(fast.cpu, "decode_step", lambda *a: calls.append(a[0].shape[0]) or step(*a))
+    monkeypatch.setattr(fast.cpu, "decode_step", lambda *a: calls.append(a[1].shape[0]) or step(*a))
     want = steps(False)
     assert calls == []
     assert_close(steps(True), want, rtol=1e-6)
