@@ -441,7 +441,7 @@ class Engine(Decoder):
         output head where the step returns every row's logits and nothing projects before the head (-> [T, V]),
         else None (Engine.output then runs it)."""
         sel, L, T = self.selector, self.config.n_layers, h.shape[0]
-        given, bounds = (sel.given_sets(L) if T == 1 else None) or (NO_SETS, NO_BOUNDS)  # (a typed list: 0.2 ms)
+        given, bounds = (sel.given_sets(L) if T == 1 else None) or (NO_SETS, NO_BOUNDS)  # one array (a list: 0.2 ms)
         picks = (np.stack([sel.pick_rows(l, None, T) for l in range(L)]).view(np.uint8) if T > 1 and sel.ahead
                  else self.no_picks)  # several tokens' sets [L, T, F], or none: the threshold's
         head = self.project_out is None and (batch.logits is None or len(batch.output_rows()) == T)

@@ -180,6 +180,25 @@ def test_several_sequences_decode_in_one_call_as_the_per_layer_path(small, pick,
     assert calls == [3] * 3
 
 
+def test_decode_step_returns_the_rows_the_batch_asks_for(small, monkeypatch):
+    """A one-call decode step computes the output head inside cpu.decode_step when every row returns logits, and
+    leaves it to Engine.output when the batch asks for some rows only (llama.cpp's batch.logits): the same logits."""
+    e, heads = sparse_engine(small), []
+    step = fast.cpu.decode_step
+    monkeypatch.setattr(fast.cpu, "decode_step", lambda *a: heads.append(a[0].shape[0]) or step(*a))
+
+    def decode(flags):
+        cache = e.new_cache(8, slots=2)
+        e.forward(Batch.of([(0, [1, 4, 9]), (1, [2, 7])], cache), cache)
+        b = Batch.of([(0, [5]), (1, [3])], cache)
+        return e.forward(Batch(b.tokens, b.seqs, b.positions, flags), cache)
+
+    both = decode(None)
+    assert_close(decode(np.array([False, True])), both[1:], rtol=1e-6)
+    assert_close(decode(np.array([True, True])), both, rtol=1e-6)
+    assert heads == [2, 0, 2]
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_dense_layout_is_ref_and_bundles_again(small, fmt, monkeypatch):
     """dense_ffn: gate and up rows as one interleaved matrix, the bundles the down rows only; ref's logits at that
