@@ -19,9 +19,7 @@ Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/ke
 N output rows, R predictor hidden size, C accumulator chunks.
 """
 
-import hashlib
 import math
-import os
 
 import numpy as np
 from llvmlite import ir
@@ -29,50 +27,12 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from fast import kernel_cache
 from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, block_dot8_4t, block_dot8x2_4t,
                         block_dot8x4, dot, dot2, dot2_2t, dot2_4t, dot2t, dot4, dot4_ahead, dot4t, dot4x4, f16_round,
                         hints_ahead, interleaved, is_float, load, n_rows, prefetch_span, q8_0_block, quantize_input)
 
-# A decode token launches about 130 parallel kernels a few microseconds apart. Here libgomp's workers went to sleep
-# between them (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
-# default where it does not throttle) bridges the gaps and still sleeps when idle. Measured: 0.45 to 0.89 vs 0.58
-# to 0.95 ms of overhead per token; 0.009 CPU-seconds per idle second either way. Read when the first parallel
-# kernel loads libgomp; a value in the environment wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "300000")
-
-def drop_stale_cache(here: str = os.path.dirname(os.path.abspath(__file__))) -> None:
-    """Forget the cached kernels of this module when fast/quant.py changed since they were compiled: numba checks a
-    cached kernel against the file it is defined in only, and the row operations of fast.quant are compiled into
-    these kernels, so without this an edit there (or a `git pull`) would keep running the old code. The default
-    cache location (__pycache__ beside this file) only; NUMBA_CACHE_DIR is the user's to manage."""
-    cache = os.path.join(here, "__pycache__")
-    if os.environ.get("NUMBA_CACHE_DIR") or not os.path.isdir(cache):
-        return
-    digest = hashlib.sha256()
-    for name in ("cpu.py", "quant.py"):
-        with open(os.path.join(here, name), "rb") as f:
-            digest.update(f.read())
-    stamp, want = os.path.join(cache, "kernels.stamp"), digest.hexdigest()
-    try:
-        with open(stamp) as f:
-            if f.read() == want:
-                return
-    except OSError:
-        pass
-    for name in os.listdir(cache):
-        if name.startswith("cpu.") and name.endswith((".nbi", ".nbc")):
-            try:
-                os.remove(os.path.join(cache, name))
-            except OSError:
-                pass
-    try:
-        with open(stamp, "w") as f:
-            f.write(want)
-    except OSError:  # a read-only install: numba will not cache there either
-        pass
-
-
-drop_stale_cache()
+kernel_cache.install()
 
 # FFN kinds as kernel constants (ref.model.ffn_activation's names).
 KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3, "gelu": 4}
@@ -117,12 +77,21 @@ def layernorm(out, x, w, b, eps):
             out[t, d] = (x[t, d] - m) * r * w[d] + b[d]
 
 
+@njit(inline="always")
+def copy_rows(out, x):
+    """out[t, j] = x[t, j], element by element: an array assigned to a slice (out[:] = x) compiles numba's shape
+    error message, a few seconds of the first run's compile for each kernel that has one.  out, x: [T, N]."""
+    for t in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[t, j] = x[t, j]
+
+
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def norm(out, x, w, b, eps):
     """The norm a layout stores (fast.engine.Layer): none (w empty: out = x), RMSNorm (w), LayerNorm (w and b).
     out may be x.  out, x: [T, D]; w, b: [D] or [0]."""
     if w.size == 0:
-        out[:] = x
+        copy_rows(out, x)
     elif b.size == 0:
         rmsnorm(out, x, w, eps)
     else:
@@ -334,7 +303,7 @@ def exp_le0(x):
     return p * bits_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def attend(out, q, k, v, kv, n, scores):
     """out[g] = softmax(q[g] k[:n, kv]^T / sqrt(E)) v[:n, kv] for the G query heads that read kv head kv (GQA's
     group): each key and value row is loaded once for the G of them, where a head at a time read the cache G times.
@@ -549,6 +518,60 @@ def add_down4(y, acts, ids, n, bundle):
     return n - 4
 
 
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def sparse_ffn_chunk(y, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, thr):
+    """y = sparse_ffn over active[lo:hi] (one worker's chunk)."""
+    D = y.shape[0]
+    P = bundle.shape[1]
+    span = prefetch_span(bundle)
+    q = (hi - lo) // 4
+    for d in range(D):
+        y[d] = 0.0
+    gates, up_ids = np.empty(12, np.float32), np.empty(12, np.int64)  # up rows waiting to be read, < 12
+    acts, ids = np.empty(12, np.float32), np.empty(12, np.int64)  # down rows waiting to be read, < 12
+    m = n = 0
+    fired = 0  # acts[:fired] hinted already
+    for j in range(lo, lo + q):
+        i0, i1, i2, i3 = active[j], active[j + q], active[j + 2 * q], active[j + 3 * q]
+        if j + 1 < lo + q and not hints_ahead(bundle):  # each lane's next gate row, unless it is adjacent
+            for k in range(4):
+                nxt = active[j + 1 + k * q]
+                if nxt != active[j + k * q] + 1:
+                    prefetch_rows(bundle, nxt, 0, 1, span)
+        jn = min(j + 1, lo + q - 1)  # each lane's next neuron, whose gate row the products may hint
+        g0, g1, g2, g3 = dot4_ahead(bundle[i0, 0], bundle[i1, 0], bundle[i2, 0], bundle[i3, 0],
+                                    bundle[active[jn], 0], bundle[active[jn + q], 0], bundle[active[jn + 2 * q], 0],
+                                    bundle[active[jn + 3 * q], 0], x, xq0, xd0, xs0)
+        m, n = gated(gates, up_ids, m, acts, ids, n, g0, i0, bundle, bias, span, kind, thr)
+        m, n = gated(gates, up_ids, m, acts, ids, n, g1, i1, bundle, bias, span, kind, thr)
+        m, n = gated(gates, up_ids, m, acts, ids, n, g2, i2, bundle, bias, span, kind, thr)
+        m, n = gated(gates, up_ids, m, acts, ids, n, g3, i3, bundle, bias, span, kind, thr)
+        if m >= 8:
+            m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
+        for k in range(fired, n):  # a down row that adds something, hinted a step before it is read
+            prefetch_rows(bundle, ids[k], P - 1, P, span)
+        if n >= 8:
+            n = add_down4(y, acts, ids, n, bundle)
+        fired = n
+    for j in range(lo + 4 * q, hi):  # the chunk's last neurons, one at a time
+        i = active[j]
+        m, n = gated(gates, up_ids, m, acts, ids, n, dot(bundle[i, 0], x, xq0, xd0, xs0), i, bundle, bias, span,
+                     kind, thr)
+    while m >= 4:
+        m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
+        if n >= 8:
+            n = add_down4(y, acts, ids, n, bundle)
+    for k in range(m):
+        n = queue_down(acts, ids, n, activation(kind, gates[k], dot(bundle[up_ids[k], 1], x, xq0, xd0, xs0), thr),
+                       up_ids[k])
+        if n >= 8:
+            n = add_down4(y, acts, ids, n, bundle)
+    while n >= 4:
+        n = add_down4(y, acts, ids, n, bundle)
+    for k in range(n):
+        axpy(y, acts[k], bundle[ids[k], P - 1])
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     """out = sum_{j < n_active} a_i down_i, i = active[j], a_i = a(g_i, u_i) (pre_activations): PowerInfer's
@@ -568,59 +591,10 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     q4_0 -1 to -3 %).
     """
     C, D = acc.shape
-    P = bundle.shape[1]
     xq, xd, xs = quantize_input(x.reshape((1, D)), bundle)
-    xq0, xd0, xs0 = xq[0], xd[0], xs[0]
-    span = prefetch_span(bundle)
     for c in prange(C):
-        lo, hi = c * n_active // C, (c + 1) * n_active // C
-        q = (hi - lo) // 4
-        y = acc[c]
-        for d in range(D):
-            y[d] = 0.0
-        gates, up_ids = np.empty(12, np.float32), np.empty(12, np.int64)  # up rows waiting to be read, < 12
-        acts, ids = np.empty(12, np.float32), np.empty(12, np.int64)  # down rows waiting to be read, < 12
-        m = n = 0
-        fired = 0  # acts[:fired] hinted already
-        for j in range(lo, lo + q):
-            i0, i1, i2, i3 = active[j], active[j + q], active[j + 2 * q], active[j + 3 * q]
-            if j + 1 < lo + q and not hints_ahead(bundle):  # each lane's next gate row, unless it is adjacent
-                for k in range(4):
-                    nxt = active[j + 1 + k * q]
-                    if nxt != active[j + k * q] + 1:
-                        prefetch_rows(bundle, nxt, 0, 1, span)
-            jn = min(j + 1, lo + q - 1)  # each lane's next neuron, whose gate row the products may hint
-            g0, g1, g2, g3 = dot4_ahead(bundle[i0, 0], bundle[i1, 0], bundle[i2, 0], bundle[i3, 0],
-                                        bundle[active[jn], 0], bundle[active[jn + q], 0], bundle[active[jn + 2 * q], 0],
-                                        bundle[active[jn + 3 * q], 0], x, xq0, xd0, xs0)
-            m, n = gated(gates, up_ids, m, acts, ids, n, g0, i0, bundle, bias, span, kind, thr)
-            m, n = gated(gates, up_ids, m, acts, ids, n, g1, i1, bundle, bias, span, kind, thr)
-            m, n = gated(gates, up_ids, m, acts, ids, n, g2, i2, bundle, bias, span, kind, thr)
-            m, n = gated(gates, up_ids, m, acts, ids, n, g3, i3, bundle, bias, span, kind, thr)
-            if m >= 8:
-                m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
-            for k in range(fired, n):  # a down row that adds something, hinted a step before it is read
-                prefetch_rows(bundle, ids[k], P - 1, P, span)
-            if n >= 8:
-                n = add_down4(y, acts, ids, n, bundle)
-            fired = n
-        for j in range(lo + 4 * q, hi):  # the chunk's last neurons, one at a time
-            i = active[j]
-            m, n = gated(gates, up_ids, m, acts, ids, n, dot(bundle[i, 0], x, xq0, xd0, xs0), i, bundle, bias, span,
-                         kind, thr)
-        while m >= 4:
-            m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
-            if n >= 8:
-                n = add_down4(y, acts, ids, n, bundle)
-        for k in range(m):
-            n = queue_down(acts, ids, n, activation(kind, gates[k], dot(bundle[up_ids[k], 1], x, xq0, xd0, xs0), thr),
-                           up_ids[k])
-            if n >= 8:
-                n = add_down4(y, acts, ids, n, bundle)
-        while n >= 4:
-            n = add_down4(y, acts, ids, n, bundle)
-        for k in range(n):
-            axpy(y, acts[k], bundle[ids[k], P - 1])
+        sparse_ffn_chunk(acc[c], x, xq[0], xd[0], xs[0], bundle, bias, active, c * n_active // C,
+                         (c + 1) * n_active // C, kind, thr)
     sum_chunks(out, acc)
 
 
@@ -729,7 +703,7 @@ def row_products(out, w, x, xq, xd, xs, tokens, n):
         out[k] = dot(w, x[t], xq[t], xd[t], xs[t])
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, span):
     """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), a neuron at a
     time: its tokens four at a time (each row element loaded once for four tokens). Block formats read the gate row,
@@ -834,6 +808,39 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def dense_down_chunk(y, gu, down, lo, hi, kind, thr):
+    """y = dense_down over neurons lo..hi (one worker's chunk).  y: [T, D]."""
+    T, F = y.shape[0], down.shape[0]
+    y[:] = 0.0
+    if T == 1:  # the neurons that add something, then their rows four at a time, the next four hinted ahead
+        acts, ids = np.empty(hi - lo + 1, np.float32), np.empty(hi - lo + 1, np.int64)
+        n = 0
+        for i in range(lo, hi):
+            acts[n], ids[n] = activation(kind, gu[0, i], gu[0, F + i], thr), i
+            n += acts[n] != 0
+        span = down.shape[1] * down.itemsize
+        for k in range(0, n - 3, 4):
+            for m in range(k + 4, min(k + 8, n)):
+                prefetch_row(down, ids[m], down.shape[1], span)
+            axpy4(y[0], acts[k], acts[k + 1], acts[k + 2], acts[k + 3], down[ids[k]], down[ids[k + 1]],
+                  down[ids[k + 2]], down[ids[k + 3]])
+        for k in range(n - n % 4, n):
+            axpy(y[0], acts[k], down[ids[k]])
+    else:
+        acts, ids = np.empty(T, np.float32), np.empty(T, np.int64)
+        for i in range(lo, hi):
+            m = 0  # the tokens whose activation is not 0
+            for t in range(T):
+                acts[m], ids[m] = activation(kind, gu[t, i], gu[t, F + i], thr), t
+                m += acts[m] != 0
+            for k in range(0, m - 3, 4):
+                axpy4t(y, ids[k], ids[k + 1], ids[k + 2], ids[k + 3], acts[k], acts[k + 1], acts[k + 2],
+                       acts[k + 3], down[i])
+            for k in range(m - m % 4, m):
+                axpy(y[ids[k]], acts[k], down[i])
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def dense_down(out, acc, gu, down, kind, thr):
     """out[t] = sum_i a_ti down_i, a_ti = a(g_ti, u_ti) from gu[t] = (g_t, u_t) over all F neurons: the down half of
@@ -846,35 +853,7 @@ def dense_down(out, acc, gu, down, kind, thr):
     C, T, D = acc.shape
     F = down.shape[0]
     for c in prange(C):
-        lo, hi = c * F // C, (c + 1) * F // C
-        y = acc[c]
-        y[:] = 0.0
-        if T == 1:  # the neurons that add something, then their rows four at a time, the next four hinted ahead
-            acts, ids = np.empty(hi - lo + 1, np.float32), np.empty(hi - lo + 1, np.int64)
-            n = 0
-            for i in range(lo, hi):
-                acts[n], ids[n] = activation(kind, gu[0, i], gu[0, F + i], thr), i
-                n += acts[n] != 0
-            span = down.shape[1] * down.itemsize
-            for k in range(0, n - 3, 4):
-                for m in range(k + 4, min(k + 8, n)):
-                    prefetch_row(down, ids[m], down.shape[1], span)
-                axpy4(y[0], acts[k], acts[k + 1], acts[k + 2], acts[k + 3], down[ids[k]], down[ids[k + 1]],
-                      down[ids[k + 2]], down[ids[k + 3]])
-            for k in range(n - n % 4, n):
-                axpy(y[0], acts[k], down[ids[k]])
-        else:
-            acts, ids = np.empty(T, np.float32), np.empty(T, np.int64)
-            for i in range(lo, hi):
-                m = 0  # the tokens whose activation is not 0
-                for t in range(T):
-                    acts[m], ids[m] = activation(kind, gu[t, i], gu[t, F + i], thr), t
-                    m += acts[m] != 0
-                for k in range(0, m - 3, 4):
-                    axpy4t(y, ids[k], ids[k + 1], ids[k + 2], ids[k + 3], acts[k], acts[k + 1], acts[k + 2],
-                           acts[k + 3], down[i])
-                for k in range(m - m % 4, m):
-                    axpy(y[ids[k]], acts[k], down[i])
+        dense_down_chunk(acc[c], gu, down, c * F // C, (c + 1) * F // C, kind, thr)
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
@@ -998,10 +977,33 @@ def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     k = np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape((T, K, E))  # [T, K, E]
     rope(q, q, cos, sin, pos0)
     rope(k_cache[pos0:pos0 + T], k, cos, sin, pos0)
-    v_cache[pos0:pos0 + T] = np.ascontiguousarray(qkv[:, (H + K) * E:]).reshape((T, K, E))
+    for t in range(T):
+        copy_rows(v_cache[pos0 + t], qkv[t, (H + K) * E:].reshape((K, E)))
     out = np.empty((T, H, E), np.float32)
     attention(out, q, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, np.empty((T * H, pos0 + T), np.float32))
-    att[:] = out.reshape((T, H * E))
+    copy_rows(att, out.reshape((T, H * E)))
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def decode_attention_token(att_t, qkv, k_caches, v_caches, seqs, positions, cos, sin, t):
+    """decode_attention's token t (one worker's share).  att_t: [H E]."""
+    kc, vc, p = k_caches[seqs[t]], v_caches[seqs[t]], positions[t]
+    if t + 1 < qkv.shape[0]:
+        kn, vn = k_caches[seqs[t + 1]], v_caches[seqs[t + 1]]
+        span = positions[t + 1] * kn.shape[1] * kn.shape[2] * kn.itemsize
+        prefetch_row(kn, 0, 0, span)
+        prefetch_row(vn, 0, 0, span)
+    K, E = kc.shape[1], kc.shape[2]
+    H = qkv.shape[1] // E - 2 * K
+    q = np.empty((1, H, E), np.float32)
+    rope(q, qkv[t, : H * E].reshape((1, H, E)), cos, sin, p)
+    rope(kc[p:p + 1], qkv[t, H * E:(H + K) * E].reshape((1, K, E)), cos, sin, p)
+    copy_rows(vc[p], qkv[t, (H + K) * E:].reshape((K, E)))
+    G = H // K
+    scores = np.empty((G, p + 1), np.float32)
+    out = att_t.reshape((H, E))
+    for kv in range(K):
+        attend(out[kv * G:(kv + 1) * G], q[0, kv * G:(kv + 1) * G], kc, vc, kv, p + 1, scores)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
@@ -1017,23 +1019,7 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
     ms a step at 20 to 60 positions in five runs, 0.95 -> 0.88 and 1.47 -> 1.39 at 20 to 200)."""
     T = qkv.shape[0]
     for t in prange(T):
-        kc, vc, p = k_caches[seqs[t]], v_caches[seqs[t]], positions[t]
-        if t + 1 < T:
-            kn, vn = k_caches[seqs[t + 1]], v_caches[seqs[t + 1]]
-            span = positions[t + 1] * kn.shape[1] * kn.shape[2] * kn.itemsize
-            prefetch_row(kn, 0, 0, span)
-            prefetch_row(vn, 0, 0, span)
-        K, E = kc.shape[1], kc.shape[2]
-        H = qkv.shape[1] // E - 2 * K
-        q = np.empty((1, H, E), np.float32)
-        rope(q, qkv[t, : H * E].reshape((1, H, E)), cos, sin, p)
-        rope(kc[p:p + 1], qkv[t, H * E:(H + K) * E].reshape((1, K, E)), cos, sin, p)
-        vc[p] = qkv[t, (H + K) * E:].reshape((K, E))
-        G = H // K
-        scores = np.empty((G, p + 1), np.float32)
-        out = att[t].reshape((H, E))
-        for kv in range(K):
-            attend(out[kv * G:(kv + 1) * G], q[0, kv * G:(kv + 1) * G], kc, vc, kv, p + 1, scores)
+        decode_attention_token(att[t], qkv, k_caches, v_caches, seqs, positions, cos, sin, t)
 
 
 @njit(cache=True, nogil=True)

@@ -23,6 +23,7 @@ from numba.typed import List
 from threadpoolctl import threadpool_limits
 
 from fast import blas, cpu
+from fast.kernel_cache import first_compile
 from fast.quant import for_matmul, for_sparse, n_rows, plain
 from ref import sparse
 from ref.common.artifacts import Predictors
@@ -35,7 +36,7 @@ from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
 from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles
-from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, values
+from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, stored_format, values
 
 F32 = np.float32
 # Tokens per batched FFN call. As GEMMs (chunks that `kernels` sends to BLAS, before GEMM_SHARE), a chunk gained more
@@ -193,20 +194,16 @@ class Decoder:
     def generate(self, ids, max_new_tokens, **kwargs) -> list[int]:
         return generate(self, ids, max_new_tokens, **kwargs)
 
-    def warm_up(self) -> None:
+    def warm_up(self, notice=None) -> None:
         """Compile (or load the cached) kernels of a short prompt and of a decode step, timed as `compile_seconds`
         (llama.cpp warms up too): the first prompt otherwise paid for loading its kernels, 50 ms of the shipped
-        model's 5-token prompt against 1 ms after."""
+        model's 5-token prompt against 1 ms after. notice(self), if given, is called once if a kernel must compile."""
         t0 = time.perf_counter()
-        cache = self.new_cache(3)
-        self.forward(Batch.single([0, 0], cache), cache)
-        self.forward(Batch.single([0], cache), cache)
+        with first_compile(lambda: notice and notice(self)):
+            cache = self.new_cache(3)
+            self.forward(Batch.single([0, 0], cache), cache)
+            self.forward(Batch.single([0], cache), cache)
         self.compile_seconds = time.perf_counter() - t0
-
-
-def stored_format(w: Weights) -> Format:
-    """The format a checkpoint's matrices are stored in: its embedding's."""
-    return format_of_blocks(blocks(w["embed"][:1]).dtype)
 
 
 class Engine(Decoder):
@@ -226,6 +223,7 @@ class Engine(Decoder):
         self.threads = set_threads(threads)
         self.cos, self.sin = rope_tables(c)
         self.kind, self.thr = cpu.KINDS[c.ffn_kind], F32(c.act_threshold)
+        self.eps = F32(c.norm_eps)  # one type for every kernel's eps: a float64 compiles each kernel a second time
         self.acc = np.empty((2 * self.threads, c.d_model), F32)  # per-chunk private accumulators
         self.selector = Selector(c.d_ffn)
         self.no_picks = np.zeros((c.n_layers, 0, 0), np.uint8)  # decode_step's picks where the threshold decides
@@ -290,7 +288,7 @@ class Engine(Decoder):
         One short run (a decode step), or one token of each of several sequences (decoding together) in a step that
         `kernels` keeps on fast.cpu: one compiled call. Otherwise the projections read each weight row once for all
         tokens (in BLAS for steps that `kernels` sends there), the attention runs per sequence."""
-        L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.config.norm_eps, h.shape[0]
+        L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.eps, h.shape[0]
         w, b = self.norm_weights(L, ATTN_NORM)
         k = kernels(T, h.shape[1])
         if len(runs) == 1 and k is cpu:
@@ -351,7 +349,7 @@ class Engine(Decoder):
         the union's pairs); one chunk that `kernels` keeps on fast.cpu, its sets the predictor's threshold: predictor,
         sets and FFN as one compiled call (`ffn_batch_block`). The dense layout (dense_ffn: every neuron): [g | u] =
         x [Wg | Wu]^T as one matmul, then `dense_down`; one token's as one compiled call."""
-        L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.config.norm_eps
+        L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.eps
         w, b = self.norm_weights(L, FFN_NORM)
         if L.gate_up is not None:  # the dense layout: every neuron, gate and up rows as one matmul
             down = L.bundle[:, 0]
@@ -447,7 +445,7 @@ class Engine(Decoder):
         head = self.project_out is None and (batch.logits is None or len(batch.output_rows()) == T)
         logits = np.empty((T, n_rows(self.lm_head)) if head else (0, 0), F32)
         cpu.decode_step(logits, h, self.step_rows(layers, cache), batch.seqs, batch.positions, self.cos, self.sin,
-                        F32(self.config.norm_eps), sel.threshold, given, bounds, picks, self.acc, self.kind, self.thr,
+                        self.eps, sel.threshold, given, bounds, picks, self.acc, self.kind, self.thr,
                         cpu.BLOCKS[self.config.block], self.norm, self.norm_b, self.lm_head)
         return logits if head else None
 
@@ -483,7 +481,7 @@ class Engine(Decoder):
     def output(self, h: np.ndarray) -> np.ndarray:
         """Logits [T, V] = lm_head . norm(h) (no norm where the config has none; OPT-350m projects first)."""
         x = np.empty_like(h)
-        cpu.norm(x, h, self.norm, self.norm_b, self.config.norm_eps)
+        cpu.norm(x, h, self.norm, self.norm_b, self.eps)
         if self.project_out is not None:
             x = self.project(x, self.project_out)
         return self.project(x, self.lm_head)
@@ -498,7 +496,7 @@ def pre_norm_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCach
 
 def post_norm_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
     """OPT-350m's block: h = norm(h + attention(h)); h = norm(h + ffn(h))."""
-    L, eps = e.layers[l], e.config.norm_eps
+    L, eps = e.layers[l], e.eps
     h += e.attention_block(l, h, batch, cache)
     cpu.norm(h, h, L.attn_norm, L.attn_norm_b, eps)
     h += e.ffn_block(l, h)
@@ -551,6 +549,12 @@ def free_cores(sample_seconds: float = 0.1) -> int:
 def set_threads(threads: int | None) -> int:
     """Map -t/--threads onto numba's thread pool and fast.blas's (default: the cores other processes leave idle,
     `free_cores`)."""
+    # A decode token launches about 130 parallel kernels a few microseconds apart, between which libgomp's workers
+    # went to sleep (an empty launch: 5 to 9 us, 1.6 us with workers spinning); spinning up to 300000 times (libgomp's
+    # default where it does not throttle) bridges the gaps and still sleeps when idle (0.009 CPU-seconds per idle
+    # second either way). libgomp reads it when numba first starts its workers (set_num_threads below); a value in
+    # the environment wins.
+    os.environ.setdefault("GOMP_SPINCOUNT", "300000")
     most = numba.config.NUMBA_NUM_THREADS
     if threads is None:
         threads = min(most, free_cores())

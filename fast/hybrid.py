@@ -139,11 +139,11 @@ class HybridEngine(Decoder):
 
     def gpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache):
         """ref's attention block on the GPU, a sequence's run at a time; its output [T, D] stays there."""
-        c, h_d = self.config, h.gpu()
+        h_d = h.gpu()
         o = gpu.scratch("attn_out", h_d.shape)
         for seq, a, b in batch.runs():
             gpu.attention_block(o[a:b], h_d[a:b], *self.gpu_layers[l].attention, cache.k[l][seq], cache.v[l][seq],
-                                self.cos_d, self.sin_d, batch.positions[a], c.norm_eps)
+                                self.cos_d, self.sin_d, batch.positions[a], self.host.eps)
         return o
 
     def cpu_ffn(self, l: int, h: Residual) -> None:
@@ -158,7 +158,7 @@ class HybridEngine(Decoder):
         for t in range(h_d.shape[0]):
             hot_d, n_hot, _ = self.split(G, self.active_set(l, h, t))
             gpu.ffn_block(y_d[0], None, h_d[t], *G.ffn_norm, G.bundle, G.bu, G.bd, hot_d, n_hot, host.kind,
-                          host.thr, self.config.norm_eps)
+                          host.thr, host.eps)
             gpu.add(h_d[t:t + 1], y_d)
 
     def active_set(self, l: int, h: Residual, t: int) -> np.ndarray:
@@ -185,17 +185,17 @@ class HybridEngine(Decoder):
     def ffn_input(self, l: int, h: Residual) -> tuple[np.ndarray, object]:
         """x = the FFN's norm of h [T, D] on both sides, computed where the residual is (where the predictor runs, if
         it does)."""
-        c, G = self.config, self.gpu_layers[l]
+        G = self.gpu_layers[l]
         if G.predictor is not None:
             h.gpu()
         elif self.selector.predicts:
             h.cpu()
         x_d = gpu.scratch("ffn_x", h.a.shape)
         if h.on_gpu:
-            gpu.norm(x_d, h.a, *G.ffn_norm, c.norm_eps)
+            gpu.norm(x_d, h.a, *G.ffn_norm, self.host.eps)
             return x_d.copy_to_host(), x_d
         x = np.empty_like(h.a)
-        cpu.norm(x, h.a, *self.host.norm_weights(self.host.layers[l], FFN_NORM), c.norm_eps)
+        cpu.norm(x, h.a, *self.host.norm_weights(self.host.layers[l], FFN_NORM), self.host.eps)
         x_d.copy_to_device(x)
         return x, x_d
 
@@ -245,7 +245,7 @@ class HybridEngine(Decoder):
     def gpu_output(self, h: Residual) -> np.ndarray:
         c, T = self.config, h.a.shape[0]
         x_d = gpu.scratch("out_x", (T, c.d_model))
-        gpu.norm(x_d, h.gpu(), *self.norm_d, c.norm_eps)
+        gpu.norm(x_d, h.gpu(), *self.norm_d, self.host.eps)
         if self.project_out_d is not None:
             x_d, x = gpu.scratch("out_w", (T, self.project_out_d.rows)), x_d
             gpu.matmul(x_d, x, self.project_out_d)
@@ -261,7 +261,7 @@ def pre_norm_block(e: HybridEngine, l: int, h: Residual, batch: Batch, cache: KV
 
 
 def post_norm_block(e: HybridEngine, l: int, h: Residual, batch: Batch, cache: KVCache) -> None:
-    L, eps = e.host.layers[l], e.config.norm_eps
+    L, eps = e.host.layers[l], e.host.eps
     h.add(e.attention[l](l, h, batch, cache))
     cpu.norm(h.cpu(), h.a, L.attn_norm, L.attn_norm_b, eps)
     e.ffn[l](l, h)

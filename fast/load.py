@@ -6,7 +6,8 @@ kernels. Nothing here is written to disk: a placement solved at load lives in me
 
 from pathlib import Path
 
-from fast import cpu
+import click
+
 from fast.engine import Decoder, Engine, apply_predictors, dense_ffn, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from fast.quant import base_format
@@ -17,13 +18,15 @@ from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
 from ref.common.formats import Format, format_of
 from ref.common.names import expected_shapes
-from ref.quant import predictors_beside
-from ref.sparse import resolve_predictors
+from ref.sparse import predictors_to_run
 
-def kernels_cached() -> bool:
-    """Whether numba's on-disk cache holds fast.cpu's kernels (its index files beside the module): if not, the
-    first load compiles them, which takes about 20 s."""
-    return any((Path(cpu.__file__).parent / "__pycache__").glob("cpu.*.nbi"))
+def say_compiling(engine) -> None:
+    """The CLIs' notice, on stderr, that the kernels for this engine's formats compile now (they are cached after)."""
+    sel = engine.selector
+    what = f"{engine.format.name} weights"
+    if sel.predicts:
+        what += f" and {base_format(sel.fc1[0].dtype).name} predictors"
+    click.echo(f"compiling kernels for {what} (once for these formats; about a minute on 2 cores)...", err=True)
 
 
 DEVICES = ("cpu", "gpu", "hybrid")
@@ -31,29 +34,14 @@ POLICIES = ("hybrid", "layers")  # PowerInfer's neuron split; llama.cpp-style wh
 GROUP = 64  # neurons per ILP group
 
 
-EMBEDDED = "embedded"  # predictors=EMBEDDED: the checkpoint's own where it has them, else dense
-
-
-def default_predictors(path: Path, predictors, dense: bool):
-    """The predictors a CLI runs: those given; with none given and not --dense, a folder's predictors.safetensors,
-    else the checkpoint's own (EMBEDDED: PowerInfer's GGUF files and TurboSparse's folders carry them, others run
-    dense); None for dense."""
-    if predictors is not None or dense:
-        return predictors
-    if path.is_dir() and (path / "predictors.safetensors").is_file():
-        return path / "predictors.safetensors"
-    return EMBEDDED
-
-
 def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
                 threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
-                type_: str | None = None, predictor_type: str | None = None) -> Decoder:
+                type_: str | None = None, predictor_type: str | None = None, notice=None) -> Decoder:
     """The engine fast.run runs: weights as stored or in the format `type_` names, dense, or predictor-sparse with
-    `predictors` (a file, loaded Predictors, or EMBEDDED; stored in `predictor_type` if given, else a file's own as
-    they are and others in the format that goes with the weights, ref.quant.predictor_format); on `gpu`/`hybrid`,
+    `predictors` (a file, loaded Predictors, or EMBEDDED; stored as ref.sparse.predictors_to_run says); on `gpu`/`hybrid`,
     placed on the card (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors).
     Refuses what does not fit in memory before laying anything out. Compiles (or loads the cached) kernels with one
-    warm-up token, timed as `compile_seconds`."""
+    warm-up token, timed as `compile_seconds`, calling notice(engine) first where they must compile."""
     if device not in DEVICES:
         raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
     if policy not in POLICIES:
@@ -64,23 +52,17 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     if fmt is not None and stored.quantized and fmt != stored:
         raise UserError(f"--type {fmt.name}: {path} is quantized to {stored.name} already; quantizing it again loses "
                         f"accuracy twice (convert the original checkpoint instead)")
-    if predictors == EMBEDDED and w.predictors is None:
-        predictors = None
     check_memory(path, w.config, fmt or stored)
     engine = Engine.load(w, threads, fmt)
-    if predictors is not None:
-        source = engine.file_predictors if predictors == EMBEDDED else predictors
-        if predictor_type or predictors == EMBEDDED:  # in the format asked for, or a file's own as stored
-            apply_predictors(engine, source, predictor_threshold,
-                             format_of(predictor_type, "--predictor-type") if predictor_type else None)
-        else:  # in the formats that go with the weights
-            pred, threshold = resolve_predictors(engine.config, source, predictor_threshold)
-            apply_predictors(engine, predictors_beside(pred, engine.format), threshold)
+    run = None if predictors is None else predictors_to_run(engine.config, predictors, engine.file_predictors,
+                                                            engine.format, predictor_threshold, predictor_type)
+    if run is not None:
+        apply_predictors(engine, *run)
     if device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
-    elif predictors is None:
+    elif run is None:
         dense_ffn(engine)
-    engine.warm_up()
+    engine.warm_up(notice)
     return engine
 
 

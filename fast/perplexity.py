@@ -18,12 +18,13 @@ from pathlib import Path
 import click
 import numpy as np
 
-from fast.load import default_predictors, load_engine
+from fast.load import load_engine, say_compiling
 from ref.common.checkpoint import load_checkpoint
 from ref.common.cli import resolve_model, user_errors
 from ref.common.formats import FORMATS
 from ref.common.tokenizer import load_tokenizer
 from ref.profile import corpus_tokens
+from ref.sparse import default_predictors
 
 
 def chunk_nll(engine, chunk: np.ndarray, bos: int | None) -> np.ndarray:
@@ -80,7 +81,7 @@ def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predic
         raise UserError(f"-f/--file {text_file}: {len(tokens)} tokens; scoring with -c {ctx} needs at least {2 * ctx}")
     n_chunks = len(tokens) // ctx if chunks < 0 else min(chunks, len(tokens) // ctx)
     engine = load_engine(path, predictors=predictors, threads=threads, type_=type_,
-                         predictor_type=None if predictors is None else predictor_type)
+                         predictor_type=None if predictors is None else predictor_type, notice=say_compiling)
     kind = "predictor-sparse" if engine.selector.predicts else "dense"
     click.echo(f"perplexity: {len(tokens):,} tokens, {n_chunks} chunks of {ctx}, scoring the second half of each; "
                f"weights {engine.format.name}, FFN {kind}", err=True)

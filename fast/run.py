@@ -10,35 +10,32 @@ from pathlib import Path
 
 import click
 
-from fast.load import DEVICES, EMBEDDED, POLICIES, default_predictors, kernels_cached, load_engine
-from ref.common.cli import Generation, finite, generate_session, generation_options, user_errors
+from fast.load import DEVICES, POLICIES, load_engine, say_compiling
+from ref.common.cli import Generation, Sparsity, generate_session, generation_options, sparsity_options, user_errors
 from ref.common.formats import FORMATS
 from ref.common.tokenizer import load_tokenizer
+from ref.sparse import EMBEDDED, default_predictors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @generation_options
-@click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: all cores].")
+@click.option("-t", "--threads", type=int, default=None,
+              help="CPU threads [default: the cores other processes leave idle].")
 @click.option("--type", "type_", type=click.Choice(list(FORMATS)), default=None,
               help="Weight format to run in [default: as stored; f32 on a GPU].")
-@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+              help="cpu; gpu: every layer on the GPU; hybrid: PowerInfer's split of hot and cold neurons (needs CUDA).")
 @click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid) [default: 90% of the card].")
 @click.option("--placement", type=click.Path(path_type=Path), default=None, help="Placement file [default: solved for the budget].")
 @click.option("--policy", type=click.Choice(POLICIES), default="hybrid", show_default=True,
               help="hybrid: PowerInfer's neuron split; layers: llama.cpp-style whole layers on the GPU.")
-@click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors).")
-@click.option("--predictors", type=click.Path(path_type=Path), default=None, help="[default: MODEL_DIR/predictors.safetensors]")
-@click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold.")
-@click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
-              help="Format to run the predictors in [default: a GGUF's as stored; else the weights' format, q8_0 for f16 and bf16].")
+@sparsity_options
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
 @user_errors
-def main(gen: Generation, threads, type_, device, vram_budget, placement, policy, dense, predictors,
-         predictor_threshold, predictor_type, json_file):
+def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, placement, policy, json_file):
     """Generate text from MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) with the numba engine."""
     model_dir = gen.check().model_dir
-    if dense and predictors is not None:
-        raise UserError("--dense and --predictors contradict each other")
+    ffn.check()
     if device == "cpu":
         gpu_only = [flag for flag, value in (("--vram-budget", vram_budget), ("--placement", placement),
                                              ("--policy", policy if policy != "hybrid" else None)) if value is not None]
@@ -46,16 +43,11 @@ def main(gen: Generation, threads, type_, device, vram_budget, placement, policy
             raise UserError(f"{gpu_only[0]} places weights on a GPU: it needs --device gpu or hybrid")
     if json_file is not None and not json_file.parent.is_dir():
         raise UserError(f"--json {json_file}: folder {json_file.parent} does not exist")
-    finite(predictor_threshold, "--predictor-threshold")
-    if dense and (predictor_threshold is not None or predictor_type is not None):
-        raise UserError(f"--dense runs no predictors: {'--predictor-threshold' if predictor_threshold is not None else '--predictor-type'} has nothing to act on")
-    predictors = default_predictors(model_dir, predictors, dense)
-    if not kernels_cached():
-        click.echo("compiling kernels (the first run only, about 20 s)...", err=True)
+    predictors = default_predictors(model_dir, ffn.predictors, ffn.dense)
     t0 = time.perf_counter()
     engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
-                         threads=threads, predictor_threshold=predictor_threshold, policy=policy, type_=type_,
-                         predictor_type=predictor_type)
+                         threads=threads, predictor_threshold=ffn.predictor_threshold, policy=policy, type_=type_,
+                         predictor_type=ffn.predictor_type, notice=say_compiling)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     source = f"{model_dir}'s own" if predictors == EMBEDDED else predictors

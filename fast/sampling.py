@@ -13,6 +13,10 @@ Dimensions: B rows, V vocab, K candidates (top-k, or V).
 import numpy as np
 from numba import njit, prange
 
+from fast import kernel_cache
+
+kernel_cache.install()
+
 
 @njit(cache=True, nogil=True)
 def top_candidates(z, k):

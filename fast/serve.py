@@ -138,7 +138,7 @@ def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: i
     """A started scheduler, which loads the model on its engine thread (fast.load.load_engine with `engine_options`),
     and the application over it: what fast.serve and each fast.replicas replica run."""
     from fast.engine import free_cores
-    from fast.load import load_engine
+    from fast.load import load_engine, say_compiling
     from ref.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)  # a bad tokenizer is refused now, not on the engine thread
@@ -146,7 +146,7 @@ def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: i
         engine_options["threads"] = free_cores()  # busy core, and a 2-core machine got 1 thread
 
     def load():
-        engine = load_engine(path, **engine_options)
+        engine = load_engine(path, notice=say_compiling, **engine_options)
         if ctx_size > engine.config.max_seq_len:
             raise UserError(f"-c/--ctx-size {ctx_size} exceeds the model's context of {engine.config.max_seq_len}")
         return engine, tokenizer
@@ -448,7 +448,7 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
         import uvicorn
     except ImportError:
         raise UserError("fast.serve needs FastAPI and uvicorn: pip install -e '.[server]'") from None
-    from fast.load import default_predictors
+    from ref.sparse import default_predictors
 
     path = resolve_model(model_dir, model)
     if ctx_size < 0:

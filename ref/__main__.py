@@ -5,28 +5,32 @@ from ref.common.errors import ctrl_c_quits_while_starting
 ctrl_c_quits_while_starting(__name__)
 
 import time
-from pathlib import Path
 
 import click
 import numpy as np
 
 from ref import load_model
-from ref.common.cli import Generation, generate_session, generation_options, user_errors
+from ref.common.cli import Generation, Sparsity, generate_session, generation_options, sparsity_options, user_errors
 from ref.common.tokenizer import load_tokenizer
+from ref.sparse import default_predictors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @generation_options
-@click.option("--predictors", type=click.Path(path_type=Path), default=None, help="Predictors file: predictor-gated sparse FFN.")
+@sparsity_options
 @click.option("--float64", "use_f64", is_flag=True, help="Compute in float64 (for verification).")
 @user_errors
-def main(gen: Generation, predictors, use_f64):
-    """Generate text from MODEL_DIR (default: the shipped model) with the NumPy reference engine."""
-    gen.check()
+def main(gen: Generation, ffn: Sparsity, use_f64):
+    """Generate text from MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) with the NumPy
+    reference engine: the same model as fast.run's with the same flags."""
+    model_dir = gen.check().model_dir
+    ffn.check()
     t0 = time.perf_counter()
-    model = load_model(gen.model_dir, predictors=predictors, dtype=np.float64 if use_f64 else np.float32)
-    tok = load_tokenizer(gen.model_dir)
-    generate_session(model, tok, gen, time.perf_counter() - t0)
+    model = load_model(model_dir, default_predictors(model_dir, ffn.predictors, ffn.dense),
+                       np.float64 if use_f64 else np.float32, ffn.predictor_threshold, ffn.predictor_type)
+    tok = load_tokenizer(model_dir)
+    mode = f"sparse (threshold {model.selector.threshold})" if getattr(model, "selector", None) else "dense"
+    generate_session(model, tok, gen, time.perf_counter() - t0, f"; FFN {mode}")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,11 @@ def format_of_blocks(dtype: np.dtype) -> Format:
     raise ValueError(f"no weight format stores blocks of {dtype}")
 
 
+def stored_format(w) -> Format:
+    """The format a checkpoint's (ref.common.weights.Weights) matrices are stored in: its embedding's."""
+    return format_of_blocks(blocks(w["embed"][:1]).dtype)
+
+
 def blocks(t) -> np.ndarray:
     """A stored tensor [..., n] (float32 or float16 array, BF16, Quantized) as rows of its format's blocks
     [..., n / block] (`Format.dtype`), as llama.cpp lays them out; no copy of contiguous rows."""

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from ref.common.artifacts import Predictors
+from ref.common.formats import Format, format_of
 from ref.common.safetensors import upcast
 from ref.model import FFN_NORM, Model, ffn_activation, fired, require_sparse
-from ref.quant import input_values
+from ref.quant import input_values, predictors_beside, quantize_predictors, stored_format
 
 
 def predictor_logits(h: np.ndarray, fc1, fc2) -> np.ndarray:
@@ -140,7 +141,41 @@ def apply_predictors(model: Model, predictors: str | Path | Predictors, threshol
     return model
 
 
-def load_model(path: str | Path, predictors: str | Path | None = None, dtype=np.float32) -> Model:
-    """`Model.load(path)`, made predictor-gated sparse by `apply_predictors` when a predictors file is given."""
+EMBEDDED = "embedded"  # the predictors a checkpoint carries (a PowerInfer GGUF's, TurboSparse's), where it has them
+
+
+def default_predictors(path: Path, predictors, dense: bool):
+    """The predictors a CLI runs (python -m ref and fast.run alike): those given; with none given and not --dense, a
+    folder's predictors.safetensors, else the checkpoint's own (EMBEDDED: dense where it has none); None for dense."""
+    if predictors is not None or dense:
+        return predictors
+    if path.is_dir() and (path / "predictors.safetensors").is_file():
+        return path / "predictors.safetensors"
+    return EMBEDDED
+
+
+def predictors_to_run(cfg, source, own: Predictors | None, fmt: Format, threshold: float | None = None,
+                      predictor_type: str | None = None) -> tuple[Predictors, float] | None:
+    """The predictors an engine with `fmt` weights runs, and their threshold (the stored one unless given): `source`
+    (a file, loaded Predictors, or EMBEDDED: `own`, the checkpoint's; None where it has none) stored in
+    `predictor_type` if given, else a checkpoint's own as stored and others in the formats that go with the weights
+    (ref.quant.predictors_beside: q8_0 beside f16 and bf16, half their bytes at the same recall). ref and fast apply
+    the same, so that the same command means the same model in both."""
+    if source == EMBEDDED and own is None:
+        return None
+    pred, threshold = resolve_predictors(cfg, own if source == EMBEDDED else source, threshold)
+    if predictor_type is not None:
+        return quantize_predictors(pred, format_of(predictor_type, "--predictor-type")), threshold
+    return (pred if source == EMBEDDED else predictors_beside(pred, fmt)), threshold
+
+
+def load_model(path: str | Path, predictors=None, dtype=np.float32, threshold: float | None = None,
+               predictor_type: str | None = None) -> Model:
+    """`Model.load(path)`, made predictor-gated sparse by `apply_predictors` where `predictors` (a file, loaded
+    Predictors, or EMBEDDED) gives any, as `predictors_to_run` stores them."""
     model = Model.load(path, dtype)
-    return model if predictors is None else apply_predictors(model, predictors)
+    if predictors is None:
+        return model
+    run = predictors_to_run(model.config, predictors, model.weights.predictors, stored_format(model.weights), threshold,
+                            predictor_type)
+    return model if run is None else apply_predictors(model, *run)

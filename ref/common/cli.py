@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from ref.common.errors import UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c
+from ref.common.formats import FORMATS
 from ref.common.gguf_io import is_gguf
 from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate
 
@@ -97,6 +98,50 @@ def generation_options(f):
         return f(Generation(**{n: kwargs.pop(n) for n in names}), **kwargs)
 
     for option in reversed(GENERATION_FLAGS):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+@dataclass
+class Sparsity:
+    """The FFN flags both generation CLIs take, with the same defaults (ref.sparse.default_predictors,
+    predictors_to_run): sparse with the model's predictors unless --dense."""
+
+    dense: bool
+    predictors: Path | None
+    predictor_threshold: float | None
+    predictor_type: str | None
+
+    def check(self) -> "Sparsity":
+        if self.dense and self.predictors is not None:
+            raise UserError("--dense and --predictors contradict each other")
+        finite(self.predictor_threshold, "--predictor-threshold")
+        if self.dense and (self.predictor_threshold is not None or self.predictor_type is not None):
+            flag = "--predictor-threshold" if self.predictor_threshold is not None else "--predictor-type"
+            raise UserError(f"--dense runs no predictors: {flag} has nothing to act on")
+        return self
+
+
+SPARSITY_FLAGS = [
+    click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors)."),
+    click.option("--predictors", type=click.Path(path_type=Path), default=None,
+                 help="Predictors file [default: MODEL_DIR/predictors.safetensors, else the checkpoint's own]."),
+    click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold."),
+    click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
+                 help="Format to run the predictors in [default: a checkpoint's own as stored; a file's in the "
+                      "weights' format, q8_0 beside f16 and bf16]."),
+]
+
+
+def sparsity_options(f):
+    """The FFN's flags (Sparsity); the command receives them as `ffn`."""
+    names = [x.name for x in fields(Sparsity)]
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, ffn=Sparsity(**{n: kwargs.pop(n) for n in names}), **kwargs)
+
+    for option in reversed(SPARSITY_FLAGS):
         wrapper = option(wrapper)
     return wrapper
 

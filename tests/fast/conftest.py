@@ -35,3 +35,8 @@ def small(tmp_path_factory):
 
 def sparse_engine(d):
     return apply_predictors(Engine.load(d), d / "predictors.safetensors")
+
+
+def sparse_model(d):
+    """ref's twin of sparse_engine: the predictors as stored."""
+    return ref.apply_predictors(ref.Model.load(d), d / "predictors.safetensors")

@@ -16,7 +16,7 @@ from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.quant import quantize_model
 from ref.sparse import SparseFFN
-from tests.fast.conftest import sparse_engine
+from tests.fast.conftest import sparse_engine, sparse_model
 from tests.helpers import assert_close
 
 IDS = {0: [1, 4, 9, 16, 25, 36, 49, 3], 1: [2, 7, 11, 13], 2: [5, 10, 15, 20, 30, 40]}
@@ -38,13 +38,13 @@ def step_kernels(request, monkeypatch):
 
 def engines(d):
     """(name, engine) pairs run batched, and the ref model each is checked against alone."""
-    sparse_ref = ref.load_model(d, predictors=d / "predictors.safetensors")
+    sparse_ref = sparse_model(d)
     return {"ref dense": (ref.load_model(d), ref.load_model(d)),
             "ref sparse": (sparse_ref, sparse_ref),
             "fast dense": (Engine.load(d), ref.load_model(d)),
             "fast sparse": (sparse_engine(d), sparse_ref),
             "fast sparse q8_0": (convert(sparse_engine(d), FORMATS["q8_0"]),
-                                 quantize_model(ref.load_model(d, predictors=d / "predictors.safetensors"), "q8_0"))}
+                                 quantize_model(sparse_model(d), "q8_0"))}
 
 
 def run_schedule(engine, schedule, slots=3, capacity=None):
@@ -74,13 +74,13 @@ def test_prompts_crossing_the_ffn_chunk(small, monkeypatch):
     """Runs of 5 and 4 tokens with 3-token FFN chunks: chunks span two sequences."""
     monkeypatch.setattr(fast.engine, "FFN_CHUNK", 3)
     got, done = run_schedule(sparse_engine(small), [[(0, 5), (2, 4)], [(2, 1), (0, 1)]])
-    oracle = ref.load_model(small, predictors=small / "predictors.safetensors")
+    oracle = sparse_model(small)
     for s in (0, 2):
         assert_close(got[s], oracle.logits(IDS[s][:done[s]]), rtol=1e-4)
 
 
 def test_freed_slot_is_reused_and_others_are_untouched(small):
-    for engine in (sparse_engine(small), ref.load_model(small, predictors=small / "predictors.safetensors")):
+    for engine in (sparse_engine(small), sparse_model(small)):
         cache = engine.new_cache(slots=2)
         engine.forward(Batch.of([(0, IDS[0][:3]), (1, IDS[1][:2])], cache), cache)
         keys = [k[0].copy() for k in cache.k]

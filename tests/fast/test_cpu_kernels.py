@@ -25,25 +25,24 @@ def test_every_kernel_a_table_names_exists():
     assert {n for n, _, _ in DEVICE_SHAPES if not hasattr(gpu, n)} == set()
 
 
-def test_cached_kernels_are_dropped_when_the_row_operations_change(tmp_path, monkeypatch):
-    """numba checks a cached kernel against its own file only; fast.cpu also checks fast/quant.py, whose row
-    operations are compiled into its kernels."""
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    for name in ("cpu.py", "quant.py"):
+def test_a_kernels_cache_is_stale_when_any_kernel_source_changes(tmp_path, monkeypatch):
+    """numba checks a cached function against its own file only; fast's kernels are stamped by their own file and
+    fast.quant's (whose row operations compile into them) together, and only fast's files are located so."""
+    from fast import kernel_cache
+    for name in ("engine.py", *kernel_cache.SOURCES):
         (tmp_path / name).write_text(f"# {name}\n")
-    cache = tmp_path / "__pycache__"
-    cache.mkdir()
-    kernel, other = cache / "cpu.matmul-62.py311.nbi", cache / "engine.x.pyc"
-    kernel.write_bytes(b"old")
-    other.write_bytes(b"keep")
-    cpu.drop_stale_cache(str(tmp_path))  # no stamp yet: dropped
-    assert not kernel.exists() and other.exists()
-    kernel.write_bytes(b"new")
-    cpu.drop_stale_cache(str(tmp_path))  # nothing changed: kept
-    assert kernel.exists()
+    monkeypatch.setattr(kernel_cache, "HERE", str(tmp_path))
+    kernel_cache.stamp.cache_clear()
+    own = str(tmp_path / "engine.py")
+    before = kernel_cache.stamp(own)
+    kernel_cache.stamp.cache_clear()
+    assert kernel_cache.stamp(own) == before  # nothing changed: the cache is fresh
     (tmp_path / "quant.py").write_text("# quant.py, edited\n")
-    cpu.drop_stale_cache(str(tmp_path))
-    assert not kernel.exists() and other.exists()
+    kernel_cache.stamp.cache_clear()
+    assert kernel_cache.stamp(own) != before
+    kernel_cache.stamp.cache_clear()
+    assert kernel_cache.InTree.from_function(len, str(tmp_path.parent / "elsewhere.py")) is None
+    assert type(cpu.matmul._cache._impl.locator).__mro__[1] is kernel_cache.KernelSources
 
 
 def with_isa(monkeypatch, request, isa):

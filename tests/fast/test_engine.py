@@ -11,8 +11,9 @@ from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.artifacts import Predictors
-from ref.quant import predictor_format, predictors_beside, quantize_model
-from tests.fast.conftest import sparse_engine
+from ref.quant import Quantized, predictor_format, predictors_beside, quantize_model
+from ref.sparse import default_predictors
+from tests.fast.conftest import sparse_engine, sparse_model
 from tests.helpers import SHIPPED, assert_close, write_model
 
 PROMPTS = ["once upon a time, there was a little girl named lily.", "the dog ran to the park and"]
@@ -33,11 +34,21 @@ def test_shipped_dense_logits_match_ref(shipped_engine, shipped_model, shipped_t
 
 def test_shipped_sparse_logits_match_ref(shipped_tokenizer):
     pred = SHIPPED / "predictors.safetensors"
-    e, m = apply_predictors(Engine.load(SHIPPED), pred), ref.load_model(SHIPPED, predictors=pred)
+    e, m = apply_predictors(Engine.load(SHIPPED), pred), ref.apply_predictors(ref.Model.load(SHIPPED), pred)  # as stored
     ids = shipped_tokenizer.encode(PROMPTS[0])
     got, want = e.logits(ids), m.logits(ids)
     for t in range(len(ids)):
         assert_close(got[t], want[t], rtol=1e-4, name=f"position {t}")
+
+
+def test_ref_and_fast_facades_agree_by_default(shipped_tokenizer):
+    """ref.load_model and fast.load_engine with the CLIs' default predictors (the shipped ones, which both store in
+    q8_0 beside the f16 weights): the same logits, not those of two different models."""
+    pred = default_predictors(SHIPPED, None, False)
+    e, m = fast.load_engine(SHIPPED, predictors=pred, threads=2), ref.load_model(SHIPPED, pred)
+    assert base_format(e.selector.fc1[0].dtype).name == "q8_0" and isinstance(m.selector.fc1[0], Quantized)
+    ids = shipped_tokenizer.encode(PROMPTS[0])
+    assert_close(e.logits(ids), m.logits(ids), rtol=1e-4)
 
 
 def test_shipped_greedy_32_tokens_match(shipped_engine, shipped_model, shipped_tokenizer):
@@ -47,7 +58,7 @@ def test_shipped_greedy_32_tokens_match(shipped_engine, shipped_model, shipped_t
 
 def test_small_sparse_matches_ref_and_is_sparse(small):
     e = sparse_engine(small)
-    m = ref.load_model(small, predictors=small / "predictors.safetensors")
+    m = sparse_model(small)
     ids = np.array([1, 4, 9, 16, 25, 36, 49])
     assert_close(e.logits(ids), m.logits(ids), rtol=1e-4)
     dense = Engine.load(small)

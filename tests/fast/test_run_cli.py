@@ -36,11 +36,15 @@ def test_prompt_batches_give_the_same_text():
     assert a.returncode == 0 and b.returncode == 0 and a.stdout == b.stdout
 
 
-def test_same_text_as_ref_greedy():
-    a = run("-p", "the cat", "-n", "12", "--temp", "0", "--dense")
-    b = subprocess.run([sys.executable, "-m", "ref", "-p", "the cat", "-n", "12", "--temp", "0"], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300)
-    assert a.returncode == 0 and a.stdout == b.stdout
+@pytest.mark.parametrize("mode", [[], ["--dense"]], ids=["default", "dense"])
+def test_same_text_as_ref_greedy(mode):
+    """The same command means the same model in both CLIs: sparse with the shipped predictors by default (in q8_0
+    beside the f16 weights, in both), dense with --dense."""
+    a = run("-p", "the cat", "-n", "24", "--temp", "0", *mode)
+    b = subprocess.run([sys.executable, "-m", "ref", "-p", "the cat", "-n", "24", "--temp", "0", *mode],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout and ("FFN dense" if mode else "FFN sparse") in b.stderr
 
 
 @pytest.mark.parametrize("args, expect", [
