@@ -14,10 +14,10 @@ from pathlib import Path
 import click
 
 from ref.common.artifacts import Predictors
-from ref.common.cli import output_file, user_errors
+from ref.common.cli import check_model_dir, output_file, user_errors
 from ref.common.config import ModelConfig
 from ref.common.formats import FORMATS, Format, format_of
-from ref.common.gguf_io import Planned, model_kv, rope_rows, tokenizer_kv, write_gguf, THRESHOLD_KEY
+from ref.common.gguf_io import Planned, is_gguf, model_kv, rope_rows, tokenizer_kv, write_gguf, THRESHOLD_KEY
 from ref.common.names import GGUF_NAMES, expected_shapes, gguf_name
 from ref.common.progress import Progress
 from ref.common.safetensors import upcast
@@ -67,6 +67,10 @@ def main(model_dir, out, type_, predictors, dense, force):
     if dense and predictors is not None:
         raise UserError("--dense and --predictors contradict each other")
     out = output_file(out, force, "-o")
+    if model_dir.is_file() and is_gguf(model_dir):
+        raise UserError(f"MODEL_DIR {model_dir}: a GGUF file already (fast.run and ref run it as it is); fast.convert "
+                        "reads a Hugging Face folder")
+    check_model_dir(model_dir)
     cfg = ModelConfig.from_hf(model_dir)
     if cfg.family not in GGUF_NAMES:
         raise UserError(f"{model_dir}: GGUF conversion writes the LLaMA family; this is a {cfg.architecture} "
@@ -95,8 +99,9 @@ def main(model_dir, out, type_, predictors, dense, force):
 
     size = write_gguf(out, kind, "llama", kv, planned, written)
     progress.close()
+    shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     click.echo(f"wrote {out}: {'PowerInfer' if pred is not None else 'llama.cpp'} GGUF, {fmt.name}, {len(planned)} "
-               f"tensors, {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
+               f"tensors, {shown} in {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

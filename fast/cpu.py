@@ -1,4 +1,5 @@
-"""CPU kernels (numba), mirroring `ref` name for name; outputs first in every signature.
+"""CPU kernels (numba); outputs first in every signature. Each computes a ref function, under its name where ref has
+one, or composes several (docs/design.md, "What mirrors what").
 
 Parallel loops are race-free by construction: each `prange` iteration writes only its own rows or its own
 private accumulator, and any reduction over workers is a separate loop (stumpy's rule). Work is cut into a
@@ -20,6 +21,7 @@ N output rows, R predictor hidden size, C accumulator chunks.
 """
 
 import math
+from collections import namedtuple
 
 import numpy as np
 from llvmlite import ir
@@ -33,6 +35,14 @@ from fast.quant import (BLOCK, ROWS, axpy, axpy2t, axpy4, axpy4t, block_dot8, bl
                         hints_ahead, interleaved, is_float, load, n_rows, prefetch_span, q8_0_block, quantize_input)
 
 kernel_cache.install()
+
+# One layer of a decode step as cpu.decode_step reads it (fast.engine.Engine.step_rows builds a typed list of them):
+# the norms' weights and biases before attention, before the FFN, after attention and after the FFN (EMPTY where the
+# block has none), the matrices and biases, the predictor (fc1, fc2: no rows where there is none), and the layer's
+# key and value slots (typed lists: [seq] -> [room, K, E]).
+StepLayer = namedtuple("StepLayer", ["attn_w", "attn_b", "ffn_w", "ffn_b", "post_attn_w", "post_attn_b", "post_ffn_w",
+                                     "post_ffn_b", "wqkv", "bqkv", "wo", "bo", "bundle", "bu", "bd", "fc1", "fc2",
+                                     "k_slots", "v_slots"])
 
 # FFN kinds as kernel constants (ref.model.ffn_activation's names).
 KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3, "gelu": 4}
@@ -1087,43 +1097,35 @@ def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given
     the code `block`, BLOCKS): the attention (attention_block for one token, decode_attention_block for several),
     then the FFN over each token's set (step_ffn); then, where `out` has rows, the output head: logits out [T, V] =
     lm_head . norm(h) (Engine.output; out_w, out_b the final norm's, as `norm` takes them).
-    layers[l]: layer l's arrays as one tuple: the norms' weights and biases before attention, before the FFN, after
-    attention and after the FFN (EMPTY where the block has none), wqkv, bqkv, wo, bo, bundle, bu, bd, fc1, fc2 (no
-    rows where there is no predictor), and the layer's key and value slots as typed lists ([seq] -> [room, K, E]);
-    given, bounds, picks: the sets a pick gives without reading the logits (step_ffn).
+    layers: a typed list of StepLayer; given, bounds, picks: the sets a pick gives without reading the logits
+    (step_ffn).
 
     One compiled call per step instead of four per layer from Python: once a token's weights have streamed through
     the caches, each return to the interpreter runs from memory (TinyLlama q4_0, 90 % sparse, a 1 GiB read between
     tokens: 1.2 ms of an 11.2 ms token outside the kernels; 8 sequences decoding together, 2 threads, old and new
     processes alternating: q4_0 29.8 to 30.5 -> 29.2 to 29.7 ms a step, f32 106.8 to 108.7 -> 105.4 to 106.4).
-    One typed list of tuples, since numba types a tuple of typed lists slowly (the 17 per-layer lists as four
-    tuples: 80 us a call; this list 1 us) and unboxes each typed list argument from cold code after a read pass
-    (about 33 us; the caches' slots were two more lists); the output head runs here where it can, for the same
-    reason. Those two and the benchmark's sets pre-joined (SyntheticSelector.given_sets), a 1 GiB read before
-    each token, old and new processes alternating: TinyLlama-depth model with tiny matrices 935 to 948 -> 798 to
-    855 us a token, TinyLlama q4_0 10.14 to 10.37 -> 10.05 to 10.16 ms."""
-    T, F = h.shape[0], layers[0][12].shape[0]  # tokens, the bundle's neurons
+    One typed list, since numba types a tuple of typed lists slowly (80 us a call against 1 us) and unboxes each
+    typed list argument from cold code after a read pass (about 33 us each); the output head runs here where it can,
+    for the same reason."""
+    T, F = h.shape[0], layers[0].bundle.shape[0]  # tokens, the bundle's neurons
     a, y = np.empty_like(h), np.empty_like(h)  # [T, D]
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(layers)):
-        (pre_a_w, pre_a_b, pre_f_w, pre_f_b, post_a_w, post_a_b, post_f_w, post_f_b, wqkv, bqkv, wo, bo, bundle, bu, bd,
-         fc1, fc2, k_slots, v_slots) = layers[l]
+        L = layers[l]
         if block == 2:  # parallel: the FFN reads the layer input too
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, picks, logits, active,
-                     acc, kind, thr, eps)
+            step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps)
         if T == 1:
-            attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_slots[seqs[0]], v_slots[seqs[0]], cos, sin,
-                            positions[0], eps)
+            attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.wo, L.bo, L.k_slots[seqs[0]],
+                            L.v_slots[seqs[0]], cos, sin, positions[0], eps)
         else:
-            decode_attention_block(a, h, pre_a_w, pre_a_b, wqkv, bqkv, wo, bo, k_slots, v_slots, seqs, positions, cos,
-                                   sin, eps)
+            decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.wo, L.bo, L.k_slots, L.v_slots, seqs,
+                                   positions, cos, sin, eps)
         h += a
-        norm(h, h, post_a_w, post_a_b, eps)
+        norm(h, h, L.post_attn_w, L.post_attn_b, eps)
         if block != 2:
-            step_ffn(y, h, l, pre_f_w, pre_f_b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, picks, logits, active,
-                     acc, kind, thr, eps)
+            step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps)
         h += y
-        norm(h, h, post_f_w, post_f_b, eps)
+        norm(h, h, L.post_ffn_w, L.post_ffn_b, eps)
     if out.shape[0]:
         x = np.empty_like(h)
         norm(x, h, out_w, out_b, eps)
@@ -1131,24 +1133,24 @@ def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given
 
 
 @njit(inline="always")
-def step_ffn(y, h, l, w, b, bundle, bu, bd, fc1, fc2, threshold, given, bounds, picks, logits, active, acc, kind, thr,
-             eps):
-    """y = layer l's FFN block of h [T, D] over each token's set: one token's ffn_block over the predictor's
-    threshold where `bounds` is empty, else over layer l's given set given[bounds[l]:bounds[l + 1]] (a pick that
-    does not read the logits; the predictor still runs where there is one); several tokens' ffn_batch_block over
-    picks[l] [T, F], or the threshold where it has no rows (picks [L, 0, 0])."""
+def step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps):
+    """y = the FFN block of layer l (L, a StepLayer) of h [T, D] over each token's set: one token's ffn_block over
+    the predictor's threshold where `bounds` is empty, else over layer l's given set given[bounds[l]:bounds[l + 1]]
+    (a pick that does not read the logits; the predictor still runs where there is one); several tokens'
+    ffn_batch_block over picks[l] [T, F], or the threshold where it has no rows (picks [L, 0, 0])."""
     if h.shape[0] > 1:
-        ffn_batch_block(y, h, w, b, fc1, fc2, threshold, picks[l], bundle, bu, bd, acc.shape[0], kind, thr, eps)
+        ffn_batch_block(y, h, L.ffn_w, L.ffn_b, L.fc1, L.fc2, threshold, picks[l], L.bundle, L.bu, L.bd, acc.shape[0],
+                        kind, thr, eps)
         return
-    if fc1.shape[0]:
-        predictor(logits, np.empty((1, n_rows(fc1)), np.float32), h, fc1, fc2)
+    if L.fc1.shape[0]:
+        predictor(logits, np.empty((1, n_rows(L.fc1)), np.float32), h, L.fc1, L.fc2)
     if len(bounds):
         ids = given[bounds[l]:bounds[l + 1]]
         n = len(ids)
     else:
         ids = active
         n = predicted_set(active, logits[0], threshold)
-    ffn_block(y[0], acc, h[0], w, b, bundle, bu, bd, ids, n, kind, thr, eps)
+    ffn_block(y[0], acc, h[0], L.ffn_w, L.ffn_b, L.bundle, L.bu, L.bd, ids, n, kind, thr, eps)
 
 
 @njit(cache=True, nogil=True)

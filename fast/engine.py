@@ -12,10 +12,10 @@ V vocab, R predictor hidden size, C accumulator chunks.
 
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import ClassVar
 
 import numba
 import numpy as np
@@ -80,11 +80,6 @@ class Layer:
     bu: np.ndarray = field(default_factory=lambda: EMPTY)  # [F] the up rows' bias (non-gated)
     bd: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] the down matrix's bias
     gate_up: np.ndarray | None = None  # [2F, D] the gate rows, then the up rows, as one matmul (dense_ffn)
-    edits: ClassVar[int] = 0  # assignments to any Layer's fields so far, which Engine.step_layers watches
-
-    def __setattr__(self, name, value):
-        object.__setattr__(self, name, value)
-        Layer.edits += 1
 
 
 def as_format(t, fmt: Format) -> np.ndarray:
@@ -227,6 +222,8 @@ class Engine(Decoder):
         self.acc = np.empty((2 * self.threads, c.d_model), F32)  # per-chunk private accumulators
         self.selector = Selector(c.d_ffn)
         self.no_picks = np.zeros((c.n_layers, 0, 0), np.uint8)  # decode_step's picks where the threshold decides
+        self._step = None  # (selector, step_layers' list) until a transform changes the layers (layers_changed)
+        self._slots = self._rows = None  # slot_lists' and step_rows' lists, with the cache and version they are of
 
     @staticmethod
     def load(path: str | Path | Weights, threads: int | None = None, fmt: Format | None = None) -> "Engine":
@@ -298,7 +295,7 @@ class Engine(Decoder):
             return out
         decoding = len(runs) == T  # one new token per sequence: their attention in one call
         if decoding and k is cpu:
-            k_caches, v_caches = self.slot_views(cache, l)
+            k_caches, v_caches = self.slot_lists(cache)[l]
             cpu.decode_attention_block(out, h, w, b, L.wqkv, L.bqkv, L.wo, L.bo, k_caches, v_caches, batch.seqs,
                                        batch.positions, self.cos, self.sin, eps)
             return out
@@ -307,7 +304,7 @@ class Engine(Decoder):
         k.qkv_proj(qkv, h, w, b, L.wqkv, L.bqkv, eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
         if decoding:
-            k_caches, v_caches = self.slot_views(cache, l)
+            k_caches, v_caches = self.slot_lists(cache)[l]
             cpu.decode_attention(att, qkv, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin)
         else:
             for seq, a, b in runs:
@@ -323,21 +320,16 @@ class Engine(Decoder):
         name = table[self.config.block]
         return (EMPTY, EMPTY) if name is None else (getattr(L, name), getattr(L, name + "_b"))
 
-    @staticmethod
-    def slot_views(cache: KVCache, l: int):
-        """Layer l's slot arrays as numba typed lists (an empty array for a free slot), kept with the cache and
-        rebuilt only when its arrays change (cache.version)."""
-        return Engine.typed_views(cache)[1][l]
-
-    @staticmethod
-    def typed_views(cache: KVCache):
-        views = getattr(cache, "typed_views", None)
-        if views is None or views[0] != cache.version:
+    def slot_lists(self, cache: KVCache) -> list[tuple[List, List]]:
+        """Per layer, the cache's key and value slot arrays as numba typed lists (an empty array for a free slot), kept
+        for the cache the engine last ran until its arrays change (KVCache.version)."""
+        kept = self._slots
+        if kept is None or kept[0]() is not cache or kept[1] != cache.version:
             empty = np.zeros((0, *cache.shape), F32)
-            lists = [tuple(List([a if a is not None else empty for a in arrays[i]]) for arrays in (cache.k, cache.v))
-                     for i in range(len(cache.k))]
-            views = cache.typed_views = (cache.version, lists)
-        return views
+            lists = [tuple(List([a if a is not None else empty for a in arrays[l]]) for arrays in (cache.k, cache.v))
+                     for l in range(len(cache.k))]
+            kept = self._slots = (weakref.ref(cache), cache.version, lists)
+        return kept[2]
 
     def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
         """y = sum over the active set of a_i Wd[:, i] (+ bd), the set chosen per token by the selector from the block
@@ -413,28 +405,29 @@ class Engine(Decoder):
         sel, T = self.selector, h.shape[0]
         return (sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu
 
-    def step_layers(self) -> List | None:
-        """The per-layer arrays cpu.decode_step reads, one tuple a layer in a typed list, kept until a transform
-        replaces an array or the selector; None where the step does not apply: the dense layout (dense_ffn), or a
-        selector whose own pick reads the logits."""
+    def step_layers(self) -> list | None:
+        """The per-layer arrays cpu.decode_step reads (cpu.StepLayer's fields but the cache's slots), kept until a
+        transform changes the layers (layers_changed) or the selector is replaced; None where the step does not
+        apply: the dense layout (dense_ffn), or a selector whose own pick reads the logits."""
         sel, c = self.selector, self.config
         if self.layers[0].gate_up is not None or (sel.predicts and not sel.by_threshold and not sel.ahead):
             return None
-        key = (sel, *self.layers)  # and the edits: a transform that replaces a layer's array is a Layer edit
-        kept = getattr(self, "_step", None)
-        if (kept is not None and kept[0] == Layer.edits and len(kept[1]) == len(key)
-                and all(a is b for a, b in zip(kept[1], key))):
-            return kept[2]
-        none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
-        rows = List()
-        for l, L in enumerate(self.layers):
-            post = (L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
-            rows.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
-                         L.wo, L.bo, L.bundle, L.bu, L.bd, *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
-        self._step = (Layer.edits, key, rows)
-        return rows
+        if self._step is None or self._step[0] is not sel:
+            none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
+            parts = []
+            for l, L in enumerate(self.layers):
+                post = (L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
+                parts.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
+                              L.wo, L.bo, L.bundle, L.bu, L.bd,
+                              *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
+            self._step = (sel, parts)
+        return self._step[1]
 
-    def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, layers: List) -> np.ndarray | None:
+    def layers_changed(self) -> None:
+        """Forget what was built from the layers' arrays: every transform that replaces one calls it."""
+        self._step = self._rows = None
+
+    def decode_step(self, h: np.ndarray, batch: Batch, cache: KVCache, layers: list) -> np.ndarray | None:
         """Every block for one token of each sequence of the batch, h [T, D], in place, as cpu.decode_step; and the
         output head where the step returns every row's logits and nothing projects before the head (-> [T, V]),
         else None (Engine.output then runs it)."""
@@ -449,17 +442,16 @@ class Engine(Decoder):
                         cpu.BLOCKS[self.config.block], self.norm, self.norm_b, self.lm_head)
         return logits if head else None
 
-    @staticmethod
-    def step_rows(layers: List, cache: KVCache) -> List:
-        """step_layers' tuples, each with its layer's key and value slots (slot_views) appended: what cpu.decode_step
-        reads as one typed list, kept with the cache until its arrays or the layers change."""
-        kept = getattr(cache, "step_rows", None)
-        if kept is None or kept[0] != cache.version or kept[1] is not layers:
+    def step_rows(self, layers: list, cache: KVCache) -> List:
+        """step_layers' arrays with each layer's key and value slots (slot_lists), as one typed list of cpu.StepLayer:
+        what cpu.decode_step reads, kept until the cache's arrays or the layers change."""
+        kept = self._rows
+        if kept is None or kept[0]() is not cache or kept[1] != cache.version or kept[2] is not layers:
             rows = List()
-            for row, slots in zip(layers, Engine.typed_views(cache)[1]):
-                rows.append((*row, *slots))
-            kept = cache.step_rows = (cache.version, layers, rows)
-        return kept[2]
+            for parts, slots in zip(layers, self.slot_lists(cache)):
+                rows.append(cpu.StepLayer(*parts, *slots))
+            kept = self._rows = (weakref.ref(cache), cache.version, layers, rows)
+        return kept[3]
 
     def embed_tokens(self, batch: Batch) -> np.ndarray:
         """The residual stream entering layer 0 (ref.model's embed): embeddings, projected where narrower, plus the
@@ -578,6 +570,7 @@ def convert(engine: Engine, fmt: Format) -> Engine:
     engine.project_in, engine.project_out = (None if w is None else as_matmul(w, fmt)
                                              for w in (engine.project_in, engine.project_out))
     engine.format = fmt
+    engine.layers_changed()
     return engine
 
 
@@ -594,6 +587,7 @@ def dense_ffn(engine: Engine) -> Engine:
             rows = plain(L.bundle)  # [F, 3, B]
             L.gate_up = for_matmul(np.concatenate([rows[:, 0], rows[:, 1]]))
             L.bundle = np.ascontiguousarray(rows[:, 2:])
+    engine.layers_changed()
     return engine
 
 
@@ -605,6 +599,7 @@ def bundled(engine: Engine) -> Engine:
             gu = plain(L.gate_up)  # [2F, D]
             L.bundle = for_sparse(np.stack([gu[:F], gu[F:], L.bundle[:, 0]], axis=1))
             L.gate_up = None
+    engine.layers_changed()
     return engine
 
 

@@ -20,8 +20,7 @@ import numpy as np
 
 from fast.load import load_engine, say_compiling
 from ref.common.checkpoint import load_checkpoint
-from ref.common.cli import resolve_model, user_errors
-from ref.common.formats import FORMATS
+from ref.common.cli import FORMAT_CHOICE, resolve_model, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.profile import corpus_tokens
 from ref.sparse import default_predictors
@@ -58,11 +57,11 @@ def estimate(nll: np.ndarray) -> tuple[float, float]:
 @click.option("--chunks", type=int, default=-1, show_default=True, help="Score at most this many chunks (-1: all).")
 @click.option("-t", "--threads", type=int, default=None,
               help="CPU threads [default: the cores other processes leave idle].")
-@click.option("--type", "type_", type=click.Choice(list(FORMATS)), default=None, help="Weight format [default: as stored].")
+@click.option("--type", "type_", type=FORMAT_CHOICE, default=None, help="Weight format [default: as stored].")
 @click.option("--dense", is_flag=True, help="The dense FFN (no predictors).")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None,
               help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer file's own]")
-@click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None, help="Format to run the predictors in.")
+@click.option("--predictor-type", type=FORMAT_CHOICE, default=None, help="Format to run the predictors in.")
 @user_errors
 def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predictors, predictor_type):
     """Perplexity of MODEL_DIR (default: the shipped model) on a text file, scored as llama-perplexity scores it."""

@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from fast.load import DEVICES, POLICIES, load_engine, say_compiling
-from ref.common.cli import Generation, Sparsity, generate_session, generation_options, sparsity_options, user_errors
-from ref.common.formats import FORMATS
+from ref.common.cli import (FORMAT_CHOICE, Generation, Sparsity, generate_session, generation_options, sparsity_options,
+                           user_errors)
 from ref.common.tokenizer import load_tokenizer
 from ref.sparse import EMBEDDED, default_predictors
 
@@ -21,7 +21,7 @@ from ref.sparse import EMBEDDED, default_predictors
 @generation_options
 @click.option("-t", "--threads", type=int, default=None,
               help="CPU threads [default: the cores other processes leave idle].")
-@click.option("--type", "type_", type=click.Choice(list(FORMATS)), default=None,
+@click.option("--type", "type_", type=FORMAT_CHOICE, default=None,
               help="Weight format to run in [default: as stored; f32 on a GPU].")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
               help="cpu; gpu: every layer on the GPU; hybrid: PowerInfer's split of hot and cold neurons (needs CUDA).")

@@ -144,13 +144,14 @@ def apply_predictors(model: Model, predictors: str | Path | Predictors, threshol
 EMBEDDED = "embedded"  # the predictors a checkpoint carries (a PowerInfer GGUF's, TurboSparse's), where it has them
 
 
-def default_predictors(path: Path, predictors, dense: bool):
+def default_predictors(path: str | Path, predictors, dense: bool):
     """The predictors a CLI runs (python -m ref and fast.run alike): those given; with none given and not --dense, a
     folder's predictors.safetensors, else the checkpoint's own (EMBEDDED: dense where it has none); None for dense."""
     if predictors is not None or dense:
         return predictors
-    if path.is_dir() and (path / "predictors.safetensors").is_file():
-        return path / "predictors.safetensors"
+    beside = Path(path) / "predictors.safetensors"
+    if beside.is_file():
+        return beside
     return EMBEDDED
 
 

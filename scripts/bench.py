@@ -18,7 +18,7 @@ import numpy as np
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
                         dense_twin, overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, synthetic_predictors)
-from ref.common.cli import user_errors
+from ref.common.cli import FORMAT_CHOICE, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
 from ref.quant import predictor_format, predictors_beside, quantize_predictors
@@ -28,9 +28,9 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="tinyllama-1.1b", show_default=True)
 @click.option("--sparsity", type=float, default=0.9, show_default=True, help="Predicted sparsity: 1 - |P| / F.")
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")
-@click.option("--type", "type_", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
+@click.option("--type", "type_", type=FORMAT_CHOICE, default="f32", show_default=True,
               help="Weight format of the synthetic model.")
-@click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
+@click.option("--predictor-type", type=FORMAT_CHOICE, default=None,
               help="Format of the predictors [default: the weights', q8_0 for f16 and bf16].")
 @click.option("-t", "--threads", type=int, default=None, help="[default: the cores other processes leave idle]")
 @click.option("--busy", type=click.IntRange(min=0), default=0, show_default=True,

@@ -17,7 +17,7 @@ from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
 from placement.synthetic import synthetic_counts
-from ref.common.cli import user_errors
+from ref.common.cli import FORMAT_CHOICE, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -67,7 +67,7 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32") -> dict
 @click.option("--sparsity", default=0.9, show_default=True, help="Predicted sparsity of the synthetic active sets.")
 @click.option("--tokens", default=8, show_default=True)
 @click.option("--runs", default=3, show_default=True)
-@click.option("--type", "type_", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
+@click.option("--type", "type_", type=FORMAT_CHOICE, default="f32", show_default=True,
               help="Weight format of the synthetic model and the kernels.")
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)

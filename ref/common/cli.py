@@ -3,6 +3,7 @@ why it stopped, timing lines), one-line errors."""
 
 import functools
 import math
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_samp
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-relu-llama"
 DEFAULT_PROMPT = "once upon a time"
+FORMAT_CHOICE = click.Choice(list(FORMATS), case_sensitive=False)  # --type q4_0, or llama-quantize's Q4_0
 
 
 @dataclass
@@ -127,7 +129,7 @@ SPARSITY_FLAGS = [
     click.option("--predictors", type=click.Path(path_type=Path), default=None,
                  help="Predictors file [default: MODEL_DIR/predictors.safetensors, else the checkpoint's own]."),
     click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold."),
-    click.option("--predictor-type", type=click.Choice(list(FORMATS)), default=None,
+    click.option("--predictor-type", type=FORMAT_CHOICE, default=None,
                  help="Format to run the predictors in [default: a checkpoint's own as stored; a file's in the "
                       "weights' format, q8_0 beside f16 and bf16]."),
 ]
@@ -169,7 +171,8 @@ def generate_session(engine, tok, gen: Generation, load_seconds: float, about: s
 
 
 def user_errors(f):
-    """Run a CLI body: a UserError becomes one line on stderr and exit 1; Ctrl-C exits 130. No tracebacks."""
+    """Run a CLI body: a UserError becomes one line on stderr and exit 1; Ctrl-C exits 130; a reader that stops
+    reading (`| head`) ends the command, exit 0. No tracebacks."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         if signal.getsignal(signal.SIGINT) is quit_on_ctrl_c:  # the body may hold files: a KeyboardInterrupt again
@@ -182,6 +185,9 @@ def user_errors(f):
             sys.exit(1)
         except KeyboardInterrupt:
             exit_interrupted()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+            sys.exit(0)
     return wrapper
 
 

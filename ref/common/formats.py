@@ -52,8 +52,9 @@ FORMATS = {f.name: f for f in (
 
 
 def format_of(name: str, flag: str = "--type") -> Format:
-    """The format called `name` (llama.cpp's name, or a torch_dtype / safetensors alias)."""
+    """The format called `name` (llama.cpp's name in any case, q4_0 or llama-quantize's Q4_0, or a torch_dtype /
+    safetensors alias)."""
     for f in FORMATS.values():
-        if name == f.name or name in f.aliases:
+        if name.lower() == f.name or name in f.aliases:
             return f
     raise UserError(f"{flag}: unknown format '{name}' (known: {', '.join(FORMATS)})")

@@ -157,7 +157,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": 4}, 400, "model"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": 1}]}, 400, "messages"),
@@ -174,6 +174,13 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, path, body, status,
     if param:
         assert err["param"] == param
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+
+
+def test_any_model_name_is_this_servers_model(server):
+    """A client's default name (gpt-4o-mini, say) gets this server's model, as llama-server does."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": "gpt-4o-mini"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_api_key_and_the_full_queue():

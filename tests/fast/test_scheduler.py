@@ -43,8 +43,10 @@ def test_sampler_matches_ref(V, ties, dtype):
 
 
 def test_sampler_of_no_rows():
-    out = np.empty(0, np.int64)
-    sample(out, np.zeros((0, 5)), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.ones(0), np.zeros(0))
+    """A step with no row to sample (every request finished): nothing drawn, nothing written past the rows."""
+    out = np.full(1, -7, np.int64)
+    sample(out[:0], np.zeros((0, 5)), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.ones(0), np.zeros(0))
+    assert out.tolist() == [-7]
 
 
 def test_scheduler_samples_each_request_as_ref_does():

@@ -33,10 +33,14 @@ def test_extra_tensor(tmp_path):
 
 
 def test_ignored_rotary_buffer(tmp_path):
+    """Old checkpoints carry RoPE's inv_freq buffer: skipped (RoPE comes from the config), the same model."""
     t = random_tensors(SMALL_CONFIG)
-    t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
-    write_model(tmp_path, tensors=t)
-    ref.load_model(tmp_path)
+    write_model(tmp_path / "plain", tensors=t)
+    write_model(tmp_path / "buffer", tensors={**t, "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)})
+    with_buffer = ref.load_model(tmp_path / "buffer")
+    assert not any("inv_freq" in name for name in with_buffer.weights.tensors)
+    ids = [1, 5, 9]
+    np.testing.assert_array_equal(with_buffer.logits(ids), ref.load_model(tmp_path / "plain").logits(ids))
 
 
 def test_wrong_shape(tmp_path):
