@@ -230,6 +230,12 @@ def test_convert_bad_flags(tmp_path, args, expect):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_convert_of_a_gguf_file_says_so(files, tmp_path):
+    r = convert(files["f16"], "-o", tmp_path / "x.gguf")
+    assert r.returncode == 1 and "a GGUF file already" in r.stderr and r.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_convert_refuses_to_overwrite(files):
     r = convert(SHIPPED, "-o", files["f16"], "--type", "f16")
     assert r.returncode == 1 and "exists: pass --force" in r.stderr

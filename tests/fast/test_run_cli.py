@@ -112,6 +112,18 @@ def test_llamacpp_habits(tmp_path):
     assert "2 threads" in c.stderr or "1 thread;" in c.stderr
 
 
+def test_llama_quantize_spelling_and_a_reader_that_stops(tmp_path):
+    """--type Q4_0 as llama-quantize spells it; `| head` closing the pipe early ends the run quietly, exit 0."""
+    r = run("-p", "the cat", "-n", "4", "--temp", "0", "--type", "Q8_0")
+    assert r.returncode == 0 and "weights q8_0" in r.stderr, r.stderr
+    p = subprocess.Popen([sys.executable, "-m", "fast.run", "-n", "-1", "--ignore-eos", "--temp", "0"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(20)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0 and "Traceback" not in err and "error" not in err
+
+
 def test_context_full_is_said(tmp_path):
     r = run("-p", "once upon a time", "-n", "-1", "--temp", "0", "-c", "20", "--json", tmp_path / "t.json")
     assert r.returncode == 0 and "context full (20 tokens)" in r.stderr
