@@ -1,0 +1,43 @@
+"""fast.quant generating its code for another instruction set or vector width, in one test only."""
+
+import pytest
+
+
+def with_isa(monkeypatch, request, isa):
+    """fast.quant generating its integer products for `isa` (read when the intrinsics generate code: callers compiled
+    afterwards use it): "vnni512" is vnni with 16-lane vpdpbusd (fast.quant.WIDE: interleaved groups and rows in
+    runs two by two); skips where this CPU cannot run it."""
+    import llvmlite.binding as llvm
+
+    from fast import quant
+    feats = llvm.get_host_cpu_features()
+    runs = {"vnni512": feats.get("avx512vnni") and feats.get("avx512bw"),
+            "vnni": feats.get("avxvnni") or feats.get("avx512vnni"), "avx2": feats.get("avx2"), "generic": True}
+    if not runs[isa]:
+        pytest.skip(f"this CPU cannot run {isa}")
+    return generating(monkeypatch, request, quant, ISA="vnni" if isa == "vnni512" else isa, WIDE=isa == "vnni512")
+
+
+def generating(monkeypatch, request, module, **settings):
+    """The module with `settings` in force for the code its intrinsics generate from now on, in this test only:
+    their cached code is forgotten now and again at teardown, so that nothing compiled later keeps it."""
+    for name, value in settings.items():
+        monkeypatch.setattr(module, name, value)
+    forget_intrinsic_code(module)
+    request.addfinalizer(lambda: forget_intrinsic_code(module))
+    return module
+
+
+def forget_intrinsic_code(module):
+    """Drop numba's typing cache of the module's intrinsics, which keeps each one's codegen per argument types for the
+    process: without it every ISA after the first reused the first one's code."""
+    from numba.core.extending import _Intrinsic
+    from numba.core.registry import cpu_target
+
+    context = cpu_target.typing_context
+    context.refresh()
+    for obj in vars(module).values():
+        if isinstance(obj, _Intrinsic):
+            for template in context.resolve_value_type(obj).templates:
+                template._impl_cache.clear()
+                template._overload_cache.clear()
