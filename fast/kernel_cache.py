@@ -1,7 +1,7 @@
 """numba's on-disk cache for fast's kernels, stamped by every source that compiles into them.
 
 numba keys a cached function by the hash of the one file that defines it, but a kernel of fast.cpu also compiles
-in the row operations of fast.quant: an edit there (or a `git pull`) would keep running the old code. The locators
+in the row operations of the fast.quant package: an edit there (or a `git pull`) would keep running the old code. The locators
 here stamp each function of fast/ with the hash of its own file and of `SOURCES` together, so that numba itself
 sees such a cache as stale and compiles again; nothing is deleted and nothing is written beside numba's files.
 `install` puts them first in numba's list of locators; they answer for fast/'s files only.
@@ -15,7 +15,9 @@ import os
 from numba.core import caching, event
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("cpu.py", "quant.py")  # compiled into fast.cpu's kernels (fast.quant's intrinsics and overloads)
+# compiled into fast.cpu's kernels: its own file and the row operations of the fast.quant package
+SOURCES = ("cpu.py", *sorted(os.path.join("quant", name) for name in os.listdir(os.path.join(HERE, "quant"))
+                             if name.endswith(".py")))
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,6 +29,7 @@ def test_a_kernels_cache_is_stale_when_any_kernel_source_changes(tmp_path, monke
     """numba checks a cached function against its own file only; fast's kernels are stamped by their own file and
     fast.quant's (whose row operations compile into them) together, and only fast's files are located so."""
     from fast import kernel_cache
+    (tmp_path / "quant").mkdir()
     for name in ("engine.py", *kernel_cache.SOURCES):
         (tmp_path / name).write_text(f"# {name}\n")
     monkeypatch.setattr(kernel_cache, "HERE", str(tmp_path))
@@ -37,7 +38,7 @@ def test_a_kernels_cache_is_stale_when_any_kernel_source_changes(tmp_path, monke
     before = kernel_cache.stamp(own)
     kernel_cache.stamp.cache_clear()
     assert kernel_cache.stamp(own) == before  # nothing changed: the cache is fresh
-    (tmp_path / "quant.py").write_text("# quant.py, edited\n")
+    (tmp_path / "quant" / "blocks.py").write_text("# blocks.py, edited\n")
     kernel_cache.stamp.cache_clear()
     assert kernel_cache.stamp(own) != before
     kernel_cache.stamp.cache_clear()

@@ -157,9 +157,8 @@ def test_float_tiles_in_every_width(monkeypatch, request, lanes, fmt, K):
     import numpy as np
     from numba import njit
 
-    from fast import quant
     from ref.quant import blocks, quantize, values
-    generating(monkeypatch, request, quant, FLOAT_LANES=lanes)
+    quant = generating(monkeypatch, request, FLOAT_LANES=lanes)
 
     @njit
     def tile(w, x):

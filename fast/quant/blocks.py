@@ -1,0 +1,393 @@
+"""q8_0 and q4_0 rows block by block: integer dot products of a row's blocks with the token's Q8_0 blocks (one
+token, two, four), axpys of dequantized rows, and the token's Q8_0 rounding (q8_0_block)."""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fast.quant.ir import (F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _data, _lanes, _prefetch, _read,
+                           _splat, _vec)
+from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, RUN_FORMATS
+import fast.quant.target as target
+
+
+# Software prefetch distance in a block row: 2.2 -> 5.6 GB/s for a one-core Q4_0 matmul ([45056, 2048], 0/256/512/
+# 1024/2048 bytes ahead: 2.2, 2.7, 3.9, 5.2, 5.6); the hardware prefetcher does not keep ahead of 18-byte blocks.
+AHEAD = 1024
+# Blocks per step of a dot product, each into its own 8 accumulators (LLVM folds a single accumulator's adds into
+# one chain of FMAs), one prefetch per cache line of the step: 1.31 -> 1.27 ns a q4_0 block, one core, in cache.
+GROUP = 4
+
+
+def _quants(builder, fmt, p):
+    """The 32 signed quants <32 x i8> of the block at p: q8_0's int8; q4_0's nibbles (low: elements 0-15) minus 8."""
+    if fmt.name == "q8_0":
+        return _read(builder, builder.gep(p, [I64(2)]), _vec(I8, 32))
+    return builder.sub(_nibbles(builder, p), _splat(I8, 32, 8))
+
+
+def _nibbles(builder, p):
+    """A q4_0 block's 32 quants as stored, 0..15 (elements 0-15 in the low nibbles, 16-31 in the high ones): the
+    16 bytes loaded into both halves, the upper half's words shifted right by 4, then masked (no cross-lane shuffle:
+    vbroadcasti128, vpsrlvw, vpand where the CPU has AVX-512BW)."""
+    return _expand_nibbles(builder, _read(builder, builder.gep(p, [I64(2)]), _vec(I8, 16)))
+
+
+def _expand_nibbles(builder, nib):
+    """A q4_0 block's 16 quant bytes <16 x i8> as its 32 quants as stored (_nibbles)."""
+    both = builder.bitcast(builder.shuffle_vector(nib, nib, _lanes(*range(16), *range(16))), _vec(I16, 16))
+    shifted = builder.lshr(both, ir.Constant(_vec(I16, 16), [0] * 8 + [4] * 8))
+    return builder.and_(builder.bitcast(shifted, _vec(I8, 32)), _splat(I8, 32, 15))
+
+
+# The offset that makes a format's quants unsigned (q4_0's stored nibbles are q + 8; q8_0's q + 128 is q xor 0x80),
+# for vpdpbusd's unsigned x signed form: q . x = u . x - OFFSET sum(x), quantize_input's correction lanes.
+OFFSET = {"q4_0": 8, "q8_0": 128}
+
+
+def _int_operand(builder, fmt, p):
+    """What a block's int8 dot products need of the weight block at p, unpacked once for any number of tokens:
+    vnni: the unsigned quants u = q + OFFSET; avx2: (q, |q|); generic: q widened to 16 bits."""
+    if target.ISA == "vnni":
+        return _nibbles(builder, p) if fmt.name == "q4_0" else builder.xor(_quants(builder, fmt, p), _splat(I8, 32, -128))
+    q = _quants(builder, fmt, p)
+    if target.ISA == "generic":
+        return builder.sext(q, _vec(I16, 32))
+    return q, _call(builder, "llvm.x86.avx2.psign.b", _vec(I8, 32), q, q)
+
+
+def _int_dot_with(builder, w, x, corr):
+    """<8 x i32> partial sums of q . x over a block's 32 int8 pairs from its operand w (_int_operand), x the token's
+    Q8_0 quants (|x| <= 127).
+
+    vnni: vpdpbusd on the unsigned quants u = q + OFFSET, accumulating onto `corr` (-OFFSET sum(x) in lane 0):
+    no sign juggling, 18 % faster than llama.cpp's vpsignb form in a one-core loop. avx2: vpmaddubsw, whose 16-bit
+    pair sums would saturate at u = 255, so |q| times x sign(q) as llama.cpp does. generic: 16-bit products."""
+    if target.ISA == "vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _vec(I32, 8), corr, builder.bitcast(w, _vec(I32, 8)),
+                     builder.bitcast(x, _vec(I32, 8)))
+    if target.ISA == "generic":
+        prod = builder.mul(w, builder.sext(x, _vec(I16, 32)))
+        even = builder.sext(builder.shuffle_vector(prod, prod, _lanes(*range(0, 32, 2))), _vec(I32, 16))
+        odd = builder.sext(builder.shuffle_vector(prod, prod, _lanes(*range(1, 32, 2))), _vec(I32, 16))
+        s = builder.add(even, odd)
+        return builder.add(builder.shuffle_vector(s, s, _lanes(*range(8))), builder.shuffle_vector(s, s, _lanes(*range(8, 16))))
+    q, aq = w
+    sx = _call(builder, "llvm.x86.avx2.psign.b", _vec(I8, 32), x, q)
+    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), aq, sx)
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), pairs, _splat(I16, 16, 1))
+
+
+def _int_dot8(builder, fmt, p, x, corr):
+    """<8 x i32> partial sums of q . x over the block at p (_int_dot_with its operand)."""
+    return _int_dot_with(builder, _int_operand(builder, fmt, p), x, corr)
+
+
+def _scale(builder, p):
+    """A block's fp16 scale d as float32."""
+    return builder.fpext(_read(builder, p, ir.HalfType()), F32)
+
+@intrinsic
+def block_dot(typingctx, w, x, xd, xs, reach):
+    """sum_b d_b xd_b sum_i q_bi xq_bi over a row w [B] of q8_0 or q4_0 blocks and a Q8_0 token (xq [K] int8,
+    xd [B] float32 scales, xs [B, 8] int32 correction lanes); prefetches up to `reach` blocks from the row's start
+    (the next row's too, where the caller reads it next)."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    bs = fmt.block_bytes
+
+    def codegen(context, builder, sig, args):
+        w_, x_, xd_, xs_, reach_ = args
+        n = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, w_).shape)[0]
+        wp0, xp0 = _data(context, builder, sig.args[0], w_), _data(context, builder, sig.args[1], x_)
+        dp0 = builder.bitcast(_data(context, builder, sig.args[2], xd_), F32.as_pointer())
+        sp0 = builder.bitcast(_data(context, builder, sig.args[3], xs_), _vec(I32, 8).as_pointer())
+        limit = builder.mul(reach_, I64(bs))
+
+        def term(b):  # d_b xd_b (q_b . xq_b) as 8 partial sums
+            wp = builder.gep(wp0, [builder.mul(b, I64(bs))])
+            xv = _read(builder, builder.gep(xp0, [builder.mul(b, I64(BLOCK))]), _vec(I8, 32))
+            dot = _int_dot8(builder, fmt, wp, xv, builder.load(builder.gep(sp0, [b]), align=4))
+            d = builder.fmul(_scale(builder, wp), builder.load(builder.gep(dp0, [b])))
+            dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(F32, 8), None), d, I32(0)),
+                                        ir.Constant(_vec(F32, 8), None), _lanes(*[0] * 8))
+            return builder.fmul(builder.sitofp(dot, _vec(F32, 8)), dv, flags=("fast",))
+
+        def group(g, acc):  # block i of each group into accumulators 8i..8i+7; one line prefetched per 64 bytes
+            first = builder.mul(g, I64(GROUP))
+            off = builder.add(builder.mul(first, I64(bs)), I64(AHEAD))
+            for line in range(0, GROUP * bs, 64):
+                _prefetch(builder, wp0, builder.add(off, I64(line)), limit)
+            t = [term(builder.add(first, I64(i))) for i in range(GROUP)]
+            t01 = builder.shuffle_vector(t[0], t[1], _lanes(*range(16)))
+            t23 = builder.shuffle_vector(t[2], t[3], _lanes(*range(16)))
+            return builder.fadd(acc, builder.shuffle_vector(t01, t23, _lanes(*range(32))))
+
+        n_groups = builder.sdiv(n, I64(GROUP))
+        acc = _block_loop(builder, n_groups, ir.Constant(_vec(F32, 32), [0.0] * 32), group)
+        first = builder.mul(n_groups, I64(GROUP))
+        tail = _block_loop(builder, builder.sub(n, first), ir.Constant(_vec(F32, 8), [0.0] * 8),
+                           lambda i, a: builder.fadd(a, term(builder.add(first, i))))
+        return builder.fadd(_call(builder, "llvm.vector.reduce.fadd.v32f32", F32, ir.Constant(F32, -0.0), acc),
+                            _call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0), tail))
+    return types.float32(w, x, xd, xs, reach), codegen
+
+
+def _dot_t_codegen(fmt, n_tokens):
+    """Codegen of a row of blocks against `n_tokens` Q8_0 tokens of x, each block unpacked once for all of them."""
+    bs = fmt.block_bytes
+    accs_t = ir.LiteralStructType([_vec(F32, 8)] * n_tokens)
+
+    def codegen(context, builder, sig, args):
+        w_, x_, xd_, xs_ = args[:4]
+        ts = args[4:]
+        n = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, w_).shape)[0]
+        K = cgutils.unpack_tuple(builder, context.make_array(sig.args[1])(context, builder, x_).shape)[1]
+        wp0, xp0 = _data(context, builder, sig.args[0], w_), _data(context, builder, sig.args[1], x_)
+        dp0 = builder.bitcast(_data(context, builder, sig.args[2], xd_), F32.as_pointer())
+        sp0 = builder.bitcast(_data(context, builder, sig.args[3], xs_), _vec(I32, 8).as_pointer())
+        B = builder.sdiv(K, I64(BLOCK))
+        rows = [builder.mul(t, B) for t in ts]  # each token's first block
+
+        def body(b, accs):
+            wp = builder.gep(wp0, [builder.mul(b, I64(bs))])
+            operand, dw = _int_operand(builder, fmt, wp), _scale(builder, wp)
+            out = accs
+            for i, row in enumerate(rows):
+                tb = builder.add(row, b)
+                xv = _read(builder, builder.gep(xp0, [builder.mul(tb, I64(BLOCK))]), _vec(I8, 32))
+                dot = _int_dot_with(builder, operand, xv, builder.load(builder.gep(sp0, [tb]), align=4))
+                d = builder.fmul(dw, builder.load(builder.gep(dp0, [tb])))
+                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), _broadcast(builder, d), flags=("fast",))
+                out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, i), term, flags=("fast",)), i)
+            return out
+
+        zero = ir.Constant(_vec(F32, 8), [0.0] * 8)
+        accs = _block_loop(builder, n, ir.Constant(accs_t, [zero] * n_tokens), body)
+        sums = [_call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0),
+                      builder.extract_value(accs, i)) for i in range(n_tokens)]
+        return context.make_tuple(builder, sig.return_type, sums)
+    return codegen
+
+
+@intrinsic
+def block_dot4t(typingctx, w, x, xd, xs, t0, t1, t2, t3):
+    """(w . x[t0], ..., w . x[t3]) over a row w [B] of q8_0 or q4_0 blocks and four Q8_0 tokens of x (xq [T, K] int8,
+    xd [T, B] scales, xs [T, B, 8] correction lanes): each block unpacked once for the four tokens."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    return types.UniTuple(types.float32, 4)(w, x, xd, xs, t0, t1, t2, t3), _dot_t_codegen(fmt, 4)
+
+
+@intrinsic
+def block_dot2t(typingctx, w, x, xd, xs, t0, t1):
+    """block_dot4t for two tokens."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    if fmt is None:
+        return None
+    return types.UniTuple(types.float32, 2)(w, x, xd, xs, t0, t1), _dot_t_codegen(fmt, 2)
+
+
+def _blocks_of(dtype):
+    """(format, in runs) of the row type whose blocks an axpy dequantizes: q8_0 / q4_0 blocks, or their RUNS; else
+    (None, False)."""
+    if dtype in RUN_FORMATS:
+        return RUN_FORMATS[dtype], True
+    return BLOCK_FORMATS.get(dtype), False
+
+
+def _transpose_words(builder, words):
+    """A run's words (4 or 8 <8 x i32>, lane j of vector i: word i of block j) as each block's words in order (8
+    vectors <4 x i32> or <8 x i32>): a butterfly of lane interleaves, 1 shuffle a block for q4_0, 3 for q8_0. An
+    axpy over runs still costs more than over blocks (one token into [256, 2048] rows four at a time, in cache, 1
+    thread: q4_0 2.0 to 2.3 against 1.8 to 2.0 ns a row's block, q8_0 2.4 against 1.5)."""
+    def interleave(a, b, u, half):  # units of u lanes of a and b in turn, from lanes 4 half .. 4 half + 3
+        idx = []
+        for k in range(4 // u):
+            base = 4 * half + k * u
+            idx += [base + e for e in range(u)] + [8 + base + e for e in range(u)]
+        return builder.shuffle_vector(a, b, _lanes(*idx))
+
+    vecs, u = words, 1
+    while u < len(words):  # a stage: units of u lanes of vector k and k + u of each group of 2u, in turn
+        pairs = [(vecs[g + k], vecs[g + k + u]) for g in range(0, len(vecs), 2 * u) for k in range(u)]
+        vecs = [interleave(a, b, u, half) for a, b in pairs for half in (0, 1)]
+        u *= 2
+    # each vector now holds 8 / W blocks of W words, blocks in order
+    W = len(words)
+    return [builder.shuffle_vector(v, v, _lanes(*range(k * W, (k + 1) * W))) for v in vecs for k in range(8 // W)]
+
+
+def _values(builder, fmt, raw):
+    """A block's 32 quants as float32 <32 x float> from its quant bytes `raw`: q8_0's 32 int8 <32 x i8>; q4_0's 16
+    bytes <16 x i8>, each widened to a 32-bit lane before its nibbles are split (low: elements 0-15, high: 16-31) and
+    8 taken off, so that the nibbles never pass through a byte shuffle (vpmovzxbd, vpand / vpsrld, vpsubd,
+    vcvtdq2ps). One token into [256, 2048] q4_0 rows in cache, 1 thread, ns a row's block, before (nibbles split as
+    bytes, then widened) and after: four rows at once as blocks 1.95 -> 1.76, as runs 2.95 -> 2.02; a row at a time
+    as runs 2.93 -> 2.27."""
+    if fmt.name == "q8_0":
+        return builder.sitofp(raw, _vec(F32, 32))
+    wide = builder.zext(raw, _vec(I32, 16))
+    eight = _splat(I32, 16, 8)
+    low = builder.sub(builder.and_(wide, _splat(I32, 16, 15)), eight)
+    high = builder.sub(builder.lshr(wide, _splat(I32, 16, 4)), eight)
+    return builder.shuffle_vector(builder.sitofp(low, _vec(F32, 16)), builder.sitofp(high, _vec(F32, 16)),
+                                  _lanes(*range(32)))
+
+
+def _item_blocks(builder, fmt, runs, p):
+    """The blocks of a row's item at p (a block, or a run of RUN) as (thunk of its 32 quants as float32 <32 x float>,
+    scale d float32) each: a run's words loaded once, block j's 16 (q4_0) or 32 (q8_0) bytes taken from lane j of
+    each."""
+    if not runs:
+        n = 16 if fmt.name == "q4_0" else 32
+        return [(lambda: _read(builder, builder.gep(p, [I64(2)]), _vec(I8, n)), _scale(builder, p))]
+    words = [_read(builder, builder.gep(p, [I64(2 * RUN + 32 * i)]), _vec(I32, 8))
+             for i in range((fmt.block_bytes - 2) // 4)]
+    d8 = builder.fpext(_read(builder, p, _vec(ir.HalfType(), RUN)), _vec(F32, RUN))
+    blocks_ = _transpose_words(builder, words)  # block j's words: <4 x i32> (q4_0) or <8 x i32> (q8_0)
+
+    def raw(j):
+        raw = builder.bitcast(blocks_[j], _vec(I8, 4 * len(words)))
+        return raw if fmt.name == "q4_0" else builder.xor(raw, _splat(I8, 32, -128))
+    return [((lambda j=j: raw(j)), builder.extract_element(d8, I32(j))) for j in range(RUN)]
+
+
+def _axpy_t_codegen(fmt, runs, n_tokens):
+    """y[t_k] += a_k dequant(w) for `n_tokens` tokens' rows of y [T, K], each block of w (blocks or runs)
+    dequantized once."""
+    size = RUNS[fmt.name].itemsize if runs else fmt.block_bytes
+    per = RUN if runs else 1  # blocks per item
+
+    def codegen(context, builder, sig, args):
+        y_, ts, as_, w_ = args[0], args[1:1 + n_tokens], args[1 + n_tokens:1 + 2 * n_tokens], args[-1]
+        n = cgutils.unpack_tuple(builder, context.make_array(sig.args[-1])(context, builder, w_).shape)[0]
+        K = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, y_).shape)[1]
+        wp0 = _data(context, builder, sig.args[-1], w_)
+        yp0 = builder.bitcast(context.make_array(sig.args[0])(context, builder, y_).data, F32.as_pointer())
+        starts = [builder.mul(t, K) for t in ts]  # each token's row of y
+        limit = builder.mul(n, I64(size))
+
+        def body(i, carried):
+            off = builder.mul(i, I64(size))
+            for line in range(0, size, 64):
+                _prefetch(builder, wp0, builder.add(off, I64(AHEAD + line)), limit)
+            for j, (raw, d) in enumerate(_item_blocks(builder, fmt, runs, builder.gep(wp0, [off]))):
+                q = _values(builder, fmt, raw())
+                b = builder.add(builder.mul(i, I64(per)), I64(j))
+                for start, a in zip(starts, as_):
+                    yp = builder.bitcast(builder.gep(yp0, [builder.add(start, builder.mul(b, I64(BLOCK)))]),
+                                         _vec(F32, 32).as_pointer())
+                    sv = _broadcast(builder, builder.fmul(a, d), 32)
+                    builder.store(builder.fadd(builder.load(yp, align=4), builder.fmul(q, sv, flags=("fast",)),
+                                               flags=("fast",)), yp, align=4)
+            return carried
+
+        _block_loop(builder, n, I64(0), body)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def block_axpy4t(typingctx, y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+    """y[t0] += a0 dequant(w), ..., y[t3] += a3 dequant(w): y [T, K] float32, w [B] q8_0 or q4_0 blocks (or runs)."""
+    fmt, runs = _blocks_of(w.dtype)
+    return None if fmt is None else (types.void(y, t0, t1, t2, t3, a0, a1, a2, a3, w), _axpy_t_codegen(fmt, runs, 4))
+
+
+@intrinsic
+def block_axpy2t(typingctx, y, t0, t1, a0, a1, w):
+    """block_axpy4t for two tokens."""
+    fmt, runs = _blocks_of(w.dtype)
+    return None if fmt is None else (types.void(y, t0, t1, a0, a1, w), _axpy_t_codegen(fmt, runs, 2))
+
+
+def _axpy_codegen(fmt, runs, rows):
+    """y += sum_r a_r dequant(w_r) for `rows` rows of blocks (or runs), each y vector loaded and stored once per
+    block."""
+    size = RUNS[fmt.name].itemsize if runs else fmt.block_bytes
+    per = RUN if runs else 1  # blocks per item
+
+    def codegen(context, builder, sig, args):
+        y_, a_, w_ = args[0], args[1:1 + rows], args[1 + rows:]
+        n = cgutils.unpack_tuple(builder, context.make_array(sig.args[-1])(context, builder, w_[0]).shape)[0]
+        wp0 = [_data(context, builder, t, v) for t, v in zip(sig.args[1 + rows:], w_)]
+        yp0 = builder.bitcast(context.make_array(sig.args[0])(context, builder, y_).data, F32.as_pointer())
+        limit = builder.mul(n, I64(size))
+
+        def body(i, carried):
+            off = builder.mul(i, I64(size))
+            items = []
+            for wp in wp0:
+                for line in range(0, size, 64):
+                    _prefetch(builder, wp, builder.add(off, I64(AHEAD + line)), limit)
+                items.append(_item_blocks(builder, fmt, runs, builder.gep(wp, [off])))
+            for j in range(per):
+                b = builder.add(builder.mul(i, I64(per)), I64(j))
+                yp = builder.bitcast(builder.gep(yp0, [builder.mul(b, I64(BLOCK))]), _vec(F32, 32).as_pointer())
+                y = builder.load(yp, align=4)
+                for a, blocks_ in zip(a_, items):
+                    raw, d = blocks_[j]
+                    q = _values(builder, fmt, raw())
+                    y = builder.fadd(y, builder.fmul(q, _broadcast(builder, builder.fmul(a, d), 32), flags=("fast",)),
+                                     flags=("fast",))
+                builder.store(y, yp, align=4)
+            return carried
+
+        _block_loop(builder, n, I64(0), body)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def block_axpy(typingctx, y, a, w):
+    """y += a dequant(w): y [K] float32, w [B] q8_0 or q4_0 blocks (or runs); prefetches within the row only."""
+    fmt, runs = _blocks_of(w.dtype)
+    return None if fmt is None else (types.void(y, a, w), _axpy_codegen(fmt, runs, 1))
+
+
+@intrinsic
+def block_axpy4(typingctx, y, a0, a1, a2, a3, w0, w1, w2, w3):
+    """y += a0 dequant(w0) + ... + a3 dequant(w3), rows of equal length."""
+    fmt, runs = _blocks_of(w0.dtype)
+    return None if fmt is None else (types.void(y, a0, a1, a2, a3, w0, w1, w2, w3), _axpy_codegen(fmt, runs, 4))
+
+EXACT = ("nsz",)  # a fast-math flag that changes no rounding: numba's fastmath pass leaves flagged instructions alone
+
+
+@intrinsic
+def q8_0_block(typingctx, q, start, stride, v, first):
+    """(d, sum q_i) of the Q8_0 block of 32 float32 values v (a contiguous [32]; ref.quant.quantize_q8_0: d = amax /
+    127, q_i = roundf(v_i / d) as sign * floor(|v_i / d| + 1/2)), its quants stored into the int8 array q as 8 words
+    of 4 bytes, word k at byte start + k stride: a block's 32 bytes in order (stride 4), or its words in a token's
+    runs (stride 4 RUN). In vectors: numba's loop of the same ran 2.5 ns an element."""
+    def codegen(context, builder, sig, args):
+        q_, start_, stride_, v_, first_ = args
+        v32 = _vec(F32, 32)
+        vp = builder.gep(context.make_array(sig.args[3])(context, builder, v_).data, [first_])
+        vals = _read(builder, builder.bitcast(vp, I8.as_pointer()), v32)
+        fabs = lambda a: _call(builder, "llvm.fabs.v32f32", v32, a)  # noqa: E731
+        # nnan: a tree of vector maxima (the same maximum; a block holding a NaN has no meaningful quants either way)
+        # instead of 31 scalar steps that each check for one: a token of 2048 values 1.51 -> 0.81 us, paid before
+        # every quantized matmul's workers start
+        amax = _call(builder, "llvm.vector.reduce.fmax.v32f32", F32, fabs(vals), fastmath=("nnan",))
+        # exact IEEE steps inside fastmath kernels too: numba's fastmath pass marks only float instructions that carry
+        # no flag, and 'fast' ones (arcp's 1 / d, a fused a x + 1/2) flip quants that sit within ulps of a half
+        d = builder.fdiv(amax, ir.Constant(F32, 127.0), flags=EXACT)
+        inv = builder.select(builder.fcmp_ordered("==", d, ir.Constant(F32, 0.0), flags=EXACT), ir.Constant(F32, 0.0),
+                             builder.fdiv(ir.Constant(F32, 1.0), d, flags=EXACT))
+        scaled = builder.fmul(vals, _broadcast(builder, inv, 32), flags=EXACT)
+        half = _broadcast(builder, ir.Constant(F32, 0.5), 32)
+        rounded = _call(builder, "llvm.floor.v32f32", v32, builder.fadd(fabs(scaled), half, flags=EXACT))
+        qv = builder.fptosi(_call(builder, "llvm.copysign.v32f32", v32, rounded, scaled), _vec(I8, 32))
+        total = _call(builder, "llvm.vector.reduce.add.v32i32", I32, builder.sext(qv, _vec(I32, 32)))
+        words = builder.bitcast(qv, _vec(I32, 8))
+        base = _data(context, builder, sig.args[0], q_)
+        for k in range(8):
+            at = builder.gep(base, [builder.add(start_, builder.mul(stride_, I64(k)))])
+            builder.store(builder.extract_element(words, I32(k)), builder.bitcast(at, I32.as_pointer()), align=1)
+        return context.make_tuple(builder, sig.return_type, [d, total])
+    return types.Tuple([types.float32, types.int32])(q, start, stride, v, first), codegen
