@@ -1,7 +1,8 @@
 """numba's on-disk cache for fast's kernels, stamped by every source that compiles into them.
 
-numba keys a cached function by the hash of the one file that defines it, but a kernel of fast.cpu also compiles
-in the row operations of the fast.quant package: an edit there (or a `git pull`) would keep running the old code. The locators
+numba keys a cached function by the hash of the one file that defines it, but a kernel of the fast.cpu package
+compiles in its callees from the package's other files and the row operations of the fast.quant package: an edit
+there (or a `git pull`) would keep running the old code. The locators
 here stamp each function of fast/ with the hash of its own file and of `SOURCES` together, so that numba itself
 sees such a cache as stale and compiles again; nothing is deleted and nothing is written beside numba's files.
 `install` puts them first in numba's list of locators; they answer for fast/'s files only.
@@ -15,9 +16,9 @@ import os
 from numba.core import caching, event
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# compiled into fast.cpu's kernels: its own file and the row operations of the fast.quant package
-SOURCES = ("cpu.py", *sorted(os.path.join("quant", name) for name in os.listdir(os.path.join(HERE, "quant"))
-                             if name.endswith(".py")))
+# compiled into fast.cpu's kernels: the kernels' package and the row operations of the fast.quant package
+SOURCES = tuple(sorted(os.path.join(package, name) for package in ("cpu", "quant")
+                       for name in os.listdir(os.path.join(HERE, package)) if name.endswith(".py")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,7 +39,7 @@ class KernelSources:
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if os.path.dirname(os.path.abspath(py_file)) != HERE:
+        if not os.path.abspath(py_file).startswith(HERE + os.sep):
             return None
         return super().from_function(py_func, py_file)
 
@@ -73,7 +74,7 @@ def first_compile(callback):
 
         def on_start(self, ev):
             code = getattr(getattr(ev.data["dispatcher"], "py_func", None), "__code__", None)
-            if not self.fired and code is not None and os.path.dirname(os.path.abspath(code.co_filename)) == HERE:
+            if not self.fired and code is not None and os.path.abspath(code.co_filename).startswith(HERE + os.sep):
                 self.fired = True
                 callback()
 

@@ -191,9 +191,8 @@ def _dot2t(w, x, xq, xd, xs, t0, t1):
 
 
 # A neuron's gate and up rows against the same tokens: in float formats one pass over both rows, which shares the
-# loop and overlaps the two sums' final reductions; the shipped model's 16-sequence union FFN (D = 256, f16) 0.66 ->
-# 0.57 ms a step, TinyLlama's at 8 tokens (f32) 2.62 -> 2.52 ms a layer. Block formats: their one-row kernels twice.
-# Two tokens have their own loop: dot2_4t with the two tokens twice ran that FFN 8 % slower.
+# loop and overlaps the two sums' final reductions (the shipped model's 16-sequence union FFN 14 % faster). Block
+# formats: their one-row kernels twice. Two tokens have their own loop (dot2_4t with the two tokens twice: 8 % slower).
 
 def dot2(w0, w1, x, xq, xd, xs):
     """(w0 . x, w1 . x) for one token."""
@@ -336,8 +335,8 @@ def _axpy(y, a, w):
 
 def prefetch_span(bundle):
     """Bytes of each row of a lane's next bundle that fast.cpu.sparse_ffn hints ahead: a block format's whole row
-    (short rows, 1 to 2 KiB, that the hardware prefetcher does not keep ahead of: q4_0 6.6-7.3 -> 10.7 GB/s, q8_0
-    11.5-12.6 -> 13.3-15.7 GB/s over a 10 % set); a float format's first line only (more cost f32 28 -> 26 GB/s)."""
+    (short rows, 1 to 2 KiB, that the hardware prefetcher does not keep ahead of: q4_0 over a 10 % set 7 -> 10.7
+    GB/s); a float format's first line only (its rows are long enough for the hardware prefetcher)."""
 
 
 @overload(prefetch_span)

@@ -12,11 +12,11 @@ from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, RUN_FORMATS
 import fast.quant.target as target
 
 
-# Software prefetch distance in a block row: 2.2 -> 5.6 GB/s for a one-core Q4_0 matmul ([45056, 2048], 0/256/512/
-# 1024/2048 bytes ahead: 2.2, 2.7, 3.9, 5.2, 5.6); the hardware prefetcher does not keep ahead of 18-byte blocks.
+# Software prefetch distance in a block row: the hardware prefetcher does not keep ahead of 18-byte blocks (a one-core
+# q4_0 matmul 2.2 GB/s without, 5.2 at 1 KiB ahead).
 AHEAD = 1024
 # Blocks per step of a dot product, each into its own 8 accumulators (LLVM folds a single accumulator's adds into
-# one chain of FMAs), one prefetch per cache line of the step: 1.31 -> 1.27 ns a q4_0 block, one core, in cache.
+# one chain of FMAs), one prefetch per cache line of the step.
 GROUP = 4
 
 
@@ -202,8 +202,7 @@ def _blocks_of(dtype):
 def _transpose_words(builder, words):
     """A run's words (4 or 8 <8 x i32>, lane j of vector i: word i of block j) as each block's words in order (8
     vectors <4 x i32> or <8 x i32>): a butterfly of lane interleaves, 1 shuffle a block for q4_0, 3 for q8_0. An
-    axpy over runs still costs more than over blocks (one token into [256, 2048] rows four at a time, in cache, 1
-    thread: q4_0 2.0 to 2.3 against 1.8 to 2.0 ns a row's block, q8_0 2.4 against 1.5)."""
+    axpy over runs still costs more than over blocks (q8_0: 2.4 against 1.5 ns a row's block)."""
     def interleave(a, b, u, half):  # units of u lanes of a and b in turn, from lanes 4 half .. 4 half + 3
         idx = []
         for k in range(4 // u):
@@ -225,9 +224,7 @@ def _values(builder, fmt, raw):
     """A block's 32 quants as float32 <32 x float> from its quant bytes `raw`: q8_0's 32 int8 <32 x i8>; q4_0's 16
     bytes <16 x i8>, each widened to a 32-bit lane before its nibbles are split (low: elements 0-15, high: 16-31) and
     8 taken off, so that the nibbles never pass through a byte shuffle (vpmovzxbd, vpand / vpsrld, vpsubd,
-    vcvtdq2ps). One token into [256, 2048] q4_0 rows in cache, 1 thread, ns a row's block, before (nibbles split as
-    bytes, then widened) and after: four rows at once as blocks 1.95 -> 1.76, as runs 2.95 -> 2.02; a row at a time
-    as runs 2.93 -> 2.27."""
+    vcvtdq2ps): as runs, 2.02 ns a row's block where nibbles split as bytes, then widened, took 2.95."""
     if fmt.name == "q8_0":
         return builder.sitofp(raw, _vec(F32, 32))
     wide = builder.zext(raw, _vec(I32, 16))
@@ -371,8 +368,8 @@ def q8_0_block(typingctx, q, start, stride, v, first):
         vals = _read(builder, builder.bitcast(vp, I8.as_pointer()), v32)
         fabs = lambda a: _call(builder, "llvm.fabs.v32f32", v32, a)  # noqa: E731
         # nnan: a tree of vector maxima (the same maximum; a block holding a NaN has no meaningful quants either way)
-        # instead of 31 scalar steps that each check for one: a token of 2048 values 1.51 -> 0.81 us, paid before
-        # every quantized matmul's workers start
+        # instead of 31 scalar steps that each check for one: half the time, paid before every quantized matmul's
+        # workers start
         amax = _call(builder, "llvm.vector.reduce.fmax.v32f32", F32, fabs(vals), fastmath=("nnan",))
         # exact IEEE steps inside fastmath kernels too: numba's fastmath pass marks only float instructions that carry
         # no flag, and 'fast' ones (arcp's 1 / d, a fused a x + 1/2) flip quants that sit within ulps of a half

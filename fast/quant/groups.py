@@ -34,8 +34,8 @@ def _token_block(builder, xp, dp, sp, b, shared, n=8):
     """Token block b's 8 words, its correction and its scale, each broadcast to n lanes (xp, dp, sp: the token's
     quants, scales and correction lanes). Words `shared` by several groups are loaded once, here; otherwise as
     thunks that load them where they are used (_group_term), so that the broadcast load folds into vpdpbusd's
-    operand: loaded up front, four tokens' words were spilled to the stack ([8, 2048] x [2048, 2048] q4_0 in cache,
-    2 threads: 104 -> 209 to 234 GMAC/s). `words(k)` gives word k."""
+    operand: loaded up front, four tokens' words were spilled to the stack (half the GMAC/s). `words(k)` gives word
+    k."""
     xw = builder.bitcast(builder.gep(xp, [builder.mul(b, I64(BLOCK))]), I32.as_pointer())
 
     def word(k):

@@ -21,10 +21,8 @@ ISA = isa()
 
 def wide() -> bool:
     """Whether vpdpbusd runs on 16 lanes here (AVX512-VNNI; AVX-VNNI stops at 8): interleaved groups and rows in runs
-    then go two by two (_dot8_codegen). Decided as isa() is, for the host. One token against [32000, 2048], four
-    streams, 2 threads, in cache (an Intel Xeon with AVX-512): q8_0 groups 1.67 -> 1.23 ms, runs 1.95 -> 1.30; q4_0
-    groups 0.74 -> 0.67, runs 0.95 -> 0.69. TinyLlama sparse decode, q8_0: 50.8 and 49.2 -> 52.4 and 51.7 tok/s
-    (alternating runs); q4_0 within the noise."""
+    then go two by two (_dot8_codegen): one token against [32000, 2048] q8_0 in cache 1.67 -> 1.23 ms. Decided as
+    isa() is, for the host."""
     if ISA != "vnni":
         return False
     feats = llvm.get_host_cpu_features()

@@ -29,8 +29,8 @@ def test_a_kernels_cache_is_stale_when_any_kernel_source_changes(tmp_path, monke
     """numba checks a cached function against its own file only; fast's kernels are stamped by their own file and
     fast.quant's (whose row operations compile into them) together, and only fast's files are located so."""
     from fast import kernel_cache
-    (tmp_path / "quant").mkdir()
     for name in ("engine.py", *kernel_cache.SOURCES):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(f"# {name}\n")
     monkeypatch.setattr(kernel_cache, "HERE", str(tmp_path))
     kernel_cache.stamp.cache_clear()
@@ -44,6 +44,23 @@ def test_a_kernels_cache_is_stale_when_any_kernel_source_changes(tmp_path, monke
     kernel_cache.stamp.cache_clear()
     assert kernel_cache.InTree.from_function(len, str(tmp_path.parent / "elsewhere.py")) is None
     assert type(cpu.matmul._cache._impl.locator).__mro__[1] is kernel_cache.KernelSources
+
+
+def test_a_run_that_compiles_says_so_once():
+    """first_compile calls back once when a kernel of fast/ compiles (not for numba's own helpers or other code,
+    nor for a kernel loaded from the cache)."""
+    import numpy as np
+    from numba import njit
+
+    from fast import kernel_cache
+    said = []
+    with kernel_cache.first_compile(lambda: said.append(1)):
+        njit(lambda x: x + 1)(1)  # not fast's
+        assert said == []
+        fresh = njit(cpu.relu_.py_func)  # fast's code, a dispatcher with no cache: it compiles
+        fresh(np.ones(3, np.float32))
+        fresh(np.ones(3))
+    assert said == [1]
 
 
 def test_small_layouts_land_on_huge_page_arenas():

@@ -1,0 +1,49 @@
+"""CPU kernels (numba); outputs first in every signature. Each computes a ref function, under its name where ref has
+one, or composes several (docs/design.md, "What mirrors what").
+
+Parallel loops are race-free by construction: each `prange` iteration writes only its own rows or its own
+private accumulator, and any reduction over workers is a separate loop (stumpy's rule). Work is cut into a
+fixed number of chunks, not per thread, so results are bit-identical from run to run.
+
+STREAMS: the weight kernels split each chunk's rows (or neurons) into four equal quarters and step through them
+together, so a worker reads four long forward streams, as the read probe does, instead of a few adjacent rows.
+With two cores the kernels are bound by the reads one core keeps in flight, not by the bus, whenever the bus is
+fast; there four streams read up to 10 % faster than adjacent rows.
+
+FORMATS: the weight kernels read rows in every format of ref.common.formats (its `dtype`: float32, f16 and bf16 bits
+as uint16 records, q8_0 and q4_0 blocks) through the row operations of `fast.quant` (dot4, dot, axpy4, axpy, and
+quantize_input for the token), which numba resolves per format when it compiles the kernel; everything else is
+float32.
+
+The package by concern: `base` (norms, embeddings, biases, RoPE, activations, hints), `matmul`, `attention`, `ffn`
+(the sparse and dense FFN, the predictor), `step` (a decode step of every layer in one call). Kernels compile on first
+use; numba caches them beside their files, stamped by every kernel source (fast.kernel_cache).
+
+Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
+N output rows, R predictor hidden size, C accumulator chunks.
+"""
+
+from fast import kernel_cache
+
+kernel_cache.install()  # before any kernel is defined: numba picks a function's cache locator then
+
+from fast.cpu.attention import (KV_AHEAD, attend, attention, attention_block, causal_logits,  # noqa: E402
+                                decode_attention, decode_attention_block, decode_attention_token, exp_le0,
+                                normalize_rows, qkv_proj, self_attention)
+from fast.cpu.base import (BLOCKS, FASTMATH, KINDS, activation, activation_py, add_bias, copy_rows, embed,  # noqa: E402
+                           layernorm, norm, prefetch, prefetch_row, prefetch_rows, read_bandwidth_probe, rmsnorm,
+                           rope, sum_chunks)
+from fast.cpu.ffn import (TILE_SHARE, dense_down, dense_ffn_block, ffn_batch_block, ffn_block, ffn_neurons,  # noqa: E402
+                          gather_values, masked_activation, predicted_set, predictor, relu_, round_q8_0,
+                          sparse_ffn, sparse_ffn_batch, sparse_ffn_chunk, union_mask)
+from fast.cpu.matmul import MATMUL_CHUNKS, matmul  # noqa: E402
+from fast.cpu.step import StepLayer, decode_step  # noqa: E402
+
+__all__ = ["BLOCKS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "activation",
+           "activation_py", "add_bias", "attend", "attention", "attention_block", "causal_logits", "copy_rows",
+           "decode_attention", "decode_attention_block", "decode_attention_token", "decode_step", "dense_down",
+           "dense_ffn_block", "embed", "exp_le0", "ffn_batch_block", "ffn_block", "ffn_neurons", "gather_values",
+           "layernorm", "masked_activation", "matmul", "norm", "normalize_rows", "predicted_set", "predictor",
+           "prefetch", "prefetch_row", "prefetch_rows", "qkv_proj", "read_bandwidth_probe", "relu_", "rmsnorm",
+           "rope", "round_q8_0", "self_attention", "sparse_ffn", "sparse_ffn_batch", "sparse_ffn_chunk",
+           "sum_chunks", "union_mask"]

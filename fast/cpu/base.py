@@ -1,0 +1,176 @@
+"""The small kernels every block uses: norms, embeddings, biases, RoPE, the FFN activations, prefetch hints, the
+serial reduction of workers' chunks; and the read-bandwidth probe."""
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fast.quant import axpy
+
+
+# FFN kinds as kernel constants (ref.model.ffn_activation's names).
+KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3, "gelu": 4}
+BLOCKS = {"pre_norm": 0, "post_norm": 1, "parallel": 2, "parallel_shared": 2}  # decode_step's block codes
+
+FASTMATH = True  # vectorised dot products reorder sums; well inside the 1e-4 tolerance (tests check)
+# Every kernel releases the GIL (nogil=True): fast.serve's engine thread runs them while the HTTP event loop answers
+# /health and streams other requests' tokens.
+
+# rmsnorm and rope run serially: waking the other workers costs 8 to 16 us, more than their whole work at decode.
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def rmsnorm(out, x, w, eps):
+    """out = x / sqrt(mean(x^2) + eps) * w.  out, x: [T, D], w: [D]."""
+    T, D = x.shape
+    for t in range(T):
+        ss = 0.0
+        for d in range(D):
+            ss += x[t, d] * x[t, d]
+        r = 1.0 / math.sqrt(ss / D + eps)
+        for d in range(D):
+            out[t, d] = x[t, d] * r * w[d]
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def layernorm(out, x, w, b, eps):
+    """out = (x - mean(x)) / sqrt(var(x) + eps) * w + b.  out, x: [T, D], w, b: [D]."""
+    T, D = x.shape
+    for t in range(T):
+        m = 0.0
+        for d in range(D):
+            m += x[t, d]
+        m /= D
+        ss = 0.0
+        for d in range(D):
+            ss += (x[t, d] - m) * (x[t, d] - m)
+        r = 1.0 / math.sqrt(ss / D + eps)
+        for d in range(D):
+            out[t, d] = (x[t, d] - m) * r * w[d] + b[d]
+
+
+@njit(inline="always")
+def copy_rows(out, x):
+    """out[t, j] = x[t, j], element by element: an array assigned to a slice (out[:] = x) compiles numba's shape
+    error message, a few seconds of the first run's compile for each kernel that has one.  out, x: [T, N]."""
+    for t in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[t, j] = x[t, j]
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def norm(out, x, w, b, eps):
+    """The norm a layout stores (fast.engine.Layer): none (w empty: out = x), RMSNorm (w), LayerNorm (w and b).
+    out may be x.  out, x: [T, D]; w, b: [D] or [0]."""
+    if w.size == 0:
+        copy_rows(out, x)
+    elif b.size == 0:
+        rmsnorm(out, x, w, eps)
+    else:
+        layernorm(out, x, w, b, eps)
+
+
+@njit(cache=True, nogil=True)
+def embed(out, table, ids):
+    """out[t] = table[ids[t]] as float32 values: rows of an embedding in any format, the values ref.quant.values
+    gives (a q4_0 row through numpy: 80 to 130 us a token, TinyLlama's 2048 wide).  out: [T, W]; ids: [T]."""
+    for t in range(ids.size):
+        out[t] = 0.0
+        axpy(out[t], np.float32(1.0), table[ids[t]])
+
+
+@njit(cache=True, nogil=True)
+def add_bias(out, b):
+    """out[t] += b for every row, where there is a bias (b: [N] or [0]).  out: [T, N]."""
+    if b.size:
+        for t in range(out.shape[0]):
+            for n in range(b.size):
+                out[t, n] += b[n]
+
+@njit(cache=True, nogil=True)
+def rope(out, x, cos, sin, pos0):
+    """Rotate-half RoPE at positions pos0..pos0+T-1 from precomputed tables.  out, x: [T, h, E]; cos, sin: [P, E/2]."""
+    T, nh, E = x.shape
+    half = E // 2
+    for t in range(T):
+        p = pos0 + t
+        for h in range(nh):
+            for i in range(half):
+                a, b = x[t, h, i], x[t, h, i + half]
+                out[t, h, i] = a * cos[p, i] - b * sin[p, i]
+                out[t, h, i + half] = b * cos[p, i] + a * sin[p, i]
+
+@intrinsic
+def prefetch(typingctx, a, i, offset):
+    """Hint the cache line `offset` bytes past a.flat[i] (a C-contiguous) into L2 ahead of use: llvm.prefetch, read,
+    locality 2. Only a hint: it never faults and changes no result."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        line = builder.gep(builder.bitcast(builder.gep(data, [args[1]]), i8p), [args[2]])
+        builder.call(fn, [line, i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+    return types.void(a, i, offset), codegen
+
+
+@njit(inline="always")
+def prefetch_row(a, r, n, span):
+    """Hint the first `span` bytes of row r of a C-contiguous array whose rows hold n items."""
+    for off in range(0, span, 64):
+        prefetch(a, r * n, off)
+
+
+@njit(inline="always")
+def prefetch_rows(bundle, i, first, last, span):
+    """Hint the first `span` bytes of rows first..last - 1 of neuron i's bundle (bundle: [F, P, n])."""
+    P = bundle.shape[1]
+    for part in range(first, last):
+        prefetch_row(bundle, i * P + part, bundle.shape[2], span)
+
+def activation_py(kind, g, u, thr):
+    """a(g, u) of ref.model.ffn_activation for one neuron; compiled for the CPU here and for the GPU in fast.gpu."""
+    if kind == 0:
+        return g * u if g > 0 else 0.0
+    if kind == 1:
+        return g * u if g > thr else 0.0
+    if kind == 2:
+        return g * u if (g > 0 and u > 0) else 0.0
+    if kind == 3:
+        return g / (1.0 + math.exp(-g)) * u
+    return 0.5 * g * (1.0 + math.erf(g * 0.7071067811865476)) * u
+
+
+activation = njit(inline="always")(activation_py)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def sum_chunks(out, acc):
+    """out = sum over chunks of acc, in chunk order (the serial reduction after the workers).  out: [N]; acc: [C, N].
+    Chunk by chunk, so that the loop over N vectorises."""
+    C, N = acc.shape
+    for n in range(N):
+        out[n] = acc[0, n]
+    for c in range(1, C):
+        for n in range(N):
+            out[n] += acc[c, n]
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def read_bandwidth_probe(out, a):
+    """Sum every row of a [rows, cols] float32 array, several rows in flight per worker: a streaming-read probe."""
+    rows, cols = a.shape
+    for b in prange(rows // 4):
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        r = 4 * b
+        for j in range(cols):
+            s0 += a[r, j]
+            s1 += a[r + 1, j]
+            s2 += a[r + 2, j]
+            s3 += a[r + 3, j]
+        out[b] = s0 + s1 + s2 + s3
