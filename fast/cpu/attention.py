@@ -233,7 +233,7 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
     one: the slots are in no cache by the next step."""
     T = qkv.shape[0]
     for t in prange(T):
-        decode_attention_token(att[t], qkv, k_caches, v_caches, seqs, positions, cos, sin, t)
+        decode_attention_token(att[t], qkv, k_caches, v_caches, seqs, positions, cos, sin, np.int64(t))
 
 
 @njit(cache=True, nogil=True)

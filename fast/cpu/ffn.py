@@ -362,19 +362,25 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
             for j in range(n_active):
                 pairs += mask[t, j] != 0
     tiles = tiled(bundle) and T >= 4 and pairs >= TILE_SHARE * T * n_active
-    quads = n_active // 4
     xq, xd, xs = quantize_input(x, bundle)
-    span = prefetch_span(bundle)
     for c in prange(C):
-        y = acc[c]
-        y[:] = 0.0
-        if tiles:  # chunks of whole tiles; the last takes the neurons left over
-            ffn_tiles(y, x, bundle, bias, active, c * quads // C * 4, (c + 1) * quads // C * 4 if c < C - 1 else n_active,
-                      mask, kind, thr)
-        else:
-            ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, c * n_active // C, (c + 1) * n_active // C, mask, kind,
-                        thr, span)
+        sparse_ffn_batch_chunk(acc[c], x, xq, xd, xs, bundle, bias, active, n_active, mask, kind, thr, tiles, np.int64(c),
+                               C)
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def sparse_ffn_batch_chunk(y, x, xq, xd, xs, bundle, bias, active, n_active, mask, kind, thr, tiles, c, C):
+    """y = sparse_ffn_batch's chunk c of C (one worker's): whole tiles (the last chunk takes the neurons left over),
+    or neurons.  y: [T, D]."""
+    y[:] = 0.0
+    if tiles:
+        quads = n_active // 4
+        ffn_tiles(y, x, bundle, bias, active, c * quads // C * 4, (c + 1) * quads // C * 4 if c < C - 1 else n_active,
+                  mask, kind, thr)
+    else:
+        ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, c * n_active // C, (c + 1) * n_active // C, mask, kind, thr,
+                    prefetch_span(bundle))
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
