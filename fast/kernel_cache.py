@@ -2,9 +2,9 @@
 
 numba keys a cached function by the hash of the one file that defines it, but a kernel of the fast.cpu package
 compiles in its callees from the package's other files and the row operations of the fast.quant package: an edit
-there (or a `git pull`) would keep running the old code. The locators
-here stamp each function of fast/ with the hash of its own file and of `SOURCES` together, so that numba itself
-sees such a cache as stale and compiles again; nothing is deleted and nothing is written beside numba's files.
+there (or a `git pull`) would keep running the old code. The locators here stamp each function of fast/ with the
+hash of its own file and of `SOURCES` together, so that numba itself sees such a cache as stale and compiles again;
+nothing is deleted and nothing is written beside numba's files.
 `install` puts them first in numba's list of locators; they answer for fast/'s files only.
 """
 

@@ -91,17 +91,23 @@ GENERATION_FLAGS = [
 ]
 
 
-def generation_options(f):
-    """llama.cpp's generation flags, names and defaults; the command receives them as `gen`, a `Generation`."""
-    names = [x.name for x in fields(Generation)]
+def flag_group(cls, flags: list, keyword: str):
+    """A decorator adding click `flags` to a command, which receives their values as one `cls` (a dataclass whose
+    fields are the flags' names) in the argument `keyword`."""
+    names = [x.name for x in fields(cls)]
 
-    @functools.wraps(f)
-    def wrapper(**kwargs):
-        return f(Generation(**{n: kwargs.pop(n) for n in names}), **kwargs)
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            return f(*args, **{keyword: cls(**{n: kwargs.pop(n) for n in names})}, **kwargs)
 
-    for option in reversed(GENERATION_FLAGS):
-        wrapper = option(wrapper)
-    return wrapper
+        for option in reversed(flags):
+            wrapper = option(wrapper)
+        return wrapper
+    return decorate
+
+
+generation_options = flag_group(Generation, GENERATION_FLAGS, "gen")  # llama.cpp's generation flags and defaults
 
 
 @dataclass
@@ -135,17 +141,7 @@ SPARSITY_FLAGS = [
 ]
 
 
-def sparsity_options(f):
-    """The FFN's flags (Sparsity); the command receives them as `ffn`."""
-    names = [x.name for x in fields(Sparsity)]
-
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        return f(*args, ffn=Sparsity(**{n: kwargs.pop(n) for n in names}), **kwargs)
-
-    for option in reversed(SPARSITY_FLAGS):
-        wrapper = option(wrapper)
-    return wrapper
+sparsity_options = flag_group(Sparsity, SPARSITY_FLAGS, "ffn")  # the FFN's flags, the same in both CLIs
 
 
 def generate_session(engine, tok, gen: Generation, load_seconds: float, about: str = "") -> tuple[list[int], Timings]:
