@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from fast import cpu
-from fast.quant import base_format, item_elements
+from fast.quant import layout_of
 
 F32 = np.float32
 MIN_TOKENS = 32  # tokens from which a step's products run here (measured crossover: between 8 and 64)
@@ -78,18 +78,19 @@ def gemm(out, a, b) -> None:
 
 def dense(w: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
     """Rows of w (all, or `ids`) as float32 values [n, ..., K]; a float32 matrix's rows as they are."""
-    if w.dtype == F32:
+    lay = layout_of(w)
+    if lay.format.name == "f32":
         return w if ids is None else w[ids]
     w3 = w.reshape(w.shape[0], -1, w.shape[-1])  # [N, P, K / block]
     ids = np.arange(w.shape[0], dtype=np.int32) if ids is None else ids
-    out = np.empty((len(ids), w3.shape[1], w.shape[-1] * item_elements(w.dtype)), F32)  # [n, P, K]
+    out = np.empty((len(ids), w3.shape[1], w.shape[-1] * lay.elements), F32)  # [n, P, K]
     cpu.gather_values(out, w3, ids, len(ids))
     return out.reshape((len(ids), *w.shape[1:-1], out.shape[-1]))
 
 
 def inputs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [T, K] as a product with w reads it."""
-    if not base_format(w.dtype).quantized:
+    if not layout_of(w).format.quantized:
         return x
     out = np.empty_like(x)
     cpu.round_q8_0(out, x)
@@ -99,7 +100,7 @@ def inputs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def matmul(out, x, w):
     """Same contract as fast.cpu.matmul: out = x @ w.T.  out: [T, N], x: [T, K], w: [N, K] rows of blocks; run by
     fast.cpu.matmul itself for q8_0 and q4_0 and below GEMM_TOKENS tokens."""
-    if base_format(w.dtype).quantized or x.shape[0] < GEMM_TOKENS:
+    if layout_of(w).format.quantized or x.shape[0] < GEMM_TOKENS:
         cpu.matmul(out, x, w)
         return
     gemm(out, inputs(x, w), dense(w).T)

@@ -10,6 +10,7 @@ Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/ke
 V vocab, R predictor hidden size, C accumulator chunks.
 """
 
+import math
 import os
 import time
 import weakref
@@ -36,7 +37,7 @@ from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
 from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles
-from ref.quant import Quantized, blocks, format_of_blocks, quantize, quantize_predictors, stored_format, values
+from ref.quant import Quantized, blocks, quantize, quantize_predictors, stored_format, tensor_format, values
 
 F32 = np.float32
 # Tokens per batched FFN call. As GEMMs (chunks that `kernels` sends to BLAS, before GEMM_SHARE), a chunk gained more
@@ -141,7 +142,10 @@ class Selector(sparse.Selector):
 
     def __init__(self, d_ffn: int, predictors: Predictors | None = None, threshold: float = 0.0):
         super().__init__(d_ffn, predictors, threshold)
+        self.formats = self.params = ()  # the formats the predictor matrices are stored in; each layer's parameters
         if self.predicts:
+            self.formats = tuple(dict.fromkeys(tensor_format(t) for t in (*self.fc1, *self.fc2)))
+            self.params = tuple(math.prod(a.shape) + math.prod(b.shape) for a, b in zip(self.fc1, self.fc2))
             self.fc1 = [for_matmul(blocks(a)) for a in self.fc1]  # [R, D]
             self.fc2 = [for_matmul(blocks(b)) for b in self.fc2]  # [F, R]
             self.hidden = np.empty(max(n_rows(a) for a in self.fc1), F32)
@@ -456,7 +460,7 @@ class Engine(Decoder):
     def embed_tokens(self, batch: Batch) -> np.ndarray:
         """The residual stream entering layer 0 (ref.model's embed): embeddings, projected where narrower, plus the
         learned positions where the family has them.  -> [T, D]."""
-        h = np.empty((len(batch.tokens), self.embed.shape[1] * format_of_blocks(self.embed.dtype).block), F32)  # [T, W]
+        h = np.empty((len(batch.tokens), self.config.embed_dim or self.config.d_model), F32)  # [T, W]
         cpu.embed(h, self.embed, batch.tokens)
         if self.project_in is not None:
             h = self.project(h, self.project_in)

@@ -23,8 +23,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from fast.cpu import activation_py
-from fast.quant import plain
-from ref.quant import format_of_blocks
+from fast.quant import layout_of, plain
 
 KINDS = {"f32": 0, "q8_0": 1, "q4_0": 2, "f16": 3, "bf16": 4}  # a Weight's kind, per ref.common.formats name
 QUANTIZED = (1, 2)
@@ -67,7 +66,7 @@ def weight(w) -> Weight:
     if isinstance(w, Weight):
         return w
     w = plain(w)  # the CPU's interleaved rows (fast.quant.INTERLEAVED) in their own order
-    fmt = format_of_blocks(w.dtype)
+    fmt = layout_of(w).format
     parts = w.shape[1] if w.ndim == 3 else 1
     w = np.ascontiguousarray(w).reshape(-1, w.shape[-1])
     none = np.zeros((1, 1), np.float32)

@@ -10,7 +10,6 @@ import click
 
 from fast.engine import Decoder, Engine, apply_predictors, dense_ffn, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
-from fast.quant import base_format
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
 from ref.common.artifacts import load_placement
@@ -25,7 +24,7 @@ def say_compiling(engine) -> None:
     sel = engine.selector
     what = f"{engine.format.name} weights"
     if sel.predicts:
-        what += f" and {base_format(sel.fc1[0].dtype).name} predictors"
+        what += f" and {'/'.join(f.name for f in sel.formats)} predictors"
     click.echo(f"compiling kernels for {what} (once for these formats; about a minute on 2 cores)...", err=True)
 
 
@@ -64,12 +63,6 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         dense_ffn(engine)
     engine.warm_up(notice)
     return engine
-
-
-def elements(b) -> int:
-    """Elements of rows of blocks (their count times the format's block; an interleaved group's ROWS rows too)."""
-    fmt = base_format(b.dtype)
-    return b.nbytes // fmt.block_bytes * fmt.block
 
 
 def memory_available() -> int:
@@ -116,7 +109,7 @@ def place_on_gpu(engine: Engine, model_dir: Path, device: str, placement=None, v
     else:
         req = request(c, model_dir / "activations.safetensors", budget / GiB, hw, engine.format, c.max_seq_len, GROUP,
                       "auto")
-        params = [elements(a) + elements(b) for a, b in zip(sel.fc1, sel.fc2)] if sel.predicts else []
+        params = list(sel.params)
         solved, _, meta = place(c, model_dir / "activations.safetensors", req, hw, params)
         neurons, dense = solved.gpu_neurons, meta["dense_on_gpu"]
     return to_hybrid(engine, neurons, dense)

@@ -127,17 +127,21 @@ def input_values(x: np.ndarray, t) -> np.ndarray:
     return quantize(x, "q8_0").astype(x.dtype) if isinstance(t, Quantized) else x
 
 
-def format_of_blocks(dtype: np.dtype) -> Format:
-    """The format whose block type is `dtype`."""
-    for f in FORMATS.values():
-        if f.dtype == dtype:
-            return f
-    raise ValueError(f"no weight format stores blocks of {dtype}")
+BLOCK_FORMATS = {f.dtype: f for f in FORMATS.values()}  # what rows of blocks (`blocks`) are stored in
+
+
+def tensor_format(t) -> Format:
+    """The format a stored tensor (float32 or float16 array, BF16, Quantized) is in."""
+    if isinstance(t, Quantized):
+        return t.format
+    if isinstance(t, BF16):
+        return FORMATS["bf16"]
+    return FORMATS["f16" if t.dtype == np.float16 else "f32"]
 
 
 def stored_format(w) -> Format:
     """The format a checkpoint's (ref.common.weights.Weights) matrices are stored in: its embedding's."""
-    return format_of_blocks(blocks(w["embed"][:1]).dtype)
+    return tensor_format(w["embed"])
 
 
 def blocks(t) -> np.ndarray:
@@ -155,7 +159,7 @@ def blocks(t) -> np.ndarray:
 
 def values(b: np.ndarray) -> np.ndarray:
     """Rows of blocks [..., B] (any `Format.dtype`) as float32 values [..., n]: what they mean."""
-    fmt = format_of_blocks(b.dtype)
+    fmt = BLOCK_FORMATS[b.dtype]
     b = np.ascontiguousarray(b)
     if fmt.name == "f32":
         return b

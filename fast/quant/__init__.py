@@ -33,18 +33,18 @@ from fast.quant.floats import bf16_to_f32, dot4x4, f16_round, f16_to_f32, load
 from fast.quant.groups import (block_dot8, block_dot8_4t, block_dot8x2_4t, block_dot8x4, run_dot, run_dot2t, run_dot4,
                                run_dot4_ahead, run_dot4t)
 from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUN_FORMATS, RUNS,
-                                base_format, for_matmul, for_sparse, group_format, in_runs, interleave, interleaved,
-                                is_float, item_elements, n_rows, plain, run_format, to_runs)
+                                LAYOUTS, TYPES, Layout, for_matmul, for_sparse, in_runs, interleave, interleaved,
+                                is_float, layout_of, n_rows, plain, to_runs)
 
 # The row operations below, and what the kernels and tests take from the modules.
-__all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "OFFSET", "ROWS", "RUN", "RUNS",
-           "RUN_FORMATS", "axpy", "axpy2t", "axpy4", "axpy4t", "base_format", "bf16_to_f32", "block_axpy",
-           "block_axpy2t", "block_axpy4", "block_axpy4t", "block_dot", "block_dot2t", "block_dot4t", "block_dot8",
-           "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "dot", "dot2", "dot2_2t", "dot2_4t", "dot2t", "dot4",
-           "dot4_ahead", "dot4t", "dot4x4", "f16_round", "f16_to_f32", "for_matmul", "for_sparse", "group_format",
-           "hints_ahead", "in_runs", "interleave", "interleaved", "is_float", "item_elements", "load", "n_rows",
-           "plain", "prefetch_span", "q8_0_block", "quantize_input", "run_dot", "run_dot2t", "run_dot4",
-           "run_dot4_ahead", "run_dot4t", "run_format", "to_runs"]
+__all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS", "Layout", "OFFSET",
+           "ROWS", "RUN", "RUNS", "RUN_FORMATS", "TYPES", "axpy", "axpy2t", "axpy4", "axpy4t", "bf16_to_f32",
+           "block_axpy", "block_axpy2t", "block_axpy4", "block_axpy4t", "block_dot", "block_dot2t", "block_dot4t",
+           "block_dot8", "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "dot", "dot2", "dot2_2t", "dot2_4t",
+           "dot2t", "dot4", "dot4_ahead", "dot4t", "dot4x4", "f16_round", "f16_to_f32", "for_matmul", "for_sparse",
+           "hints_ahead", "in_runs", "interleave", "interleaved", "is_float", "layout_of", "load", "n_rows", "plain",
+           "prefetch_span", "q8_0_block", "quantize_input", "run_dot", "run_dot2t", "run_dot4", "run_dot4_ahead",
+           "run_dot4t", "to_runs"]
 
 
 # ---------------------------------------------------------------------------------------------------- the row operations
@@ -61,7 +61,7 @@ def _quantize_input(x, w):
     if is_float(w):
         return lambda x, w: (np.empty((x.shape[0], 0), np.int8), np.empty((x.shape[0], 0), np.float32),
                              np.empty((x.shape[0], 0, 8), np.int32))
-    offset = OFFSET[(BLOCK_FORMATS.get(w.dtype) or INTERLEAVED_FORMATS.get(w.dtype) or RUN_FORMATS[w.dtype]).name]
+    offset = OFFSET[TYPES[w.dtype].format.name]
     span = RUN if in_runs(w) else 1  # blocks whose words interleave
 
     def q8_0(x, w):  # ref.quant.quantize_q8_0, per block of 32 (q8_0_block)

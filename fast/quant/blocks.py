@@ -8,7 +8,7 @@ from numba.extending import intrinsic
 
 from fast.quant.ir import (F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _data, _lanes, _prefetch, _read,
                            _splat, _vec)
-from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, RUN_FORMATS
+from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, TYPES
 import fast.quant.target as target
 
 
@@ -194,9 +194,10 @@ def block_dot2t(typingctx, w, x, xd, xs, t0, t1):
 def _blocks_of(dtype):
     """(format, in runs) of the row type whose blocks an axpy dequantizes: q8_0 / q4_0 blocks, or their RUNS; else
     (None, False)."""
-    if dtype in RUN_FORMATS:
-        return RUN_FORMATS[dtype], True
-    return BLOCK_FORMATS.get(dtype), False
+    lay = TYPES.get(dtype)
+    if lay is None or not lay.format.quantized or lay.name == "groups":
+        return None, False
+    return lay.format, lay.name == "runs"
 
 
 def _transpose_words(builder, words):

@@ -1,20 +1,25 @@
 """How a matrix's rows are laid out for the kernels: plain rows of a format's items (ref.common.formats' dtype),
 q8_0 and q4_0 rows interleaved in groups (INTERLEAVED, for matmul), a row's blocks in runs (RUNS, for the sparse FFN);
 the transforms between them, and what a numba array type holds. fast.quant_ref reads each layout from its
-definition."""
+definition.
 
-from numba import types
+An array's item type is its format and layout at once: numba compiles a kernel per item type, so that is how a
+`Format` reaches a kernel. `LAYOUTS` is the one table that says which (format, layout) each item type is, for
+numpy dtypes and numba types alike; nothing else decodes a dtype.
+"""
+
+from dataclasses import dataclass
+
 from numba.extending import overload
 from numba.np.numpy_support import from_dtype
 import numpy as np
 
 from fast.pages import on_huge_pages
-from ref.common.formats import FORMATS
-from ref.quant import format_of_blocks
+from ref.common.formats import FORMATS, Format
 
 BLOCK = 32
+QUANTIZED = ("q8_0", "q4_0")
 
-BLOCK_FORMATS = {from_dtype(FORMATS[n].dtype): FORMATS[n] for n in ("q8_0", "q4_0")}
 # A matrix of q8_0 or q4_0 rows as fast.cpu.matmul reads it fastest: rows in groups of ROWS, each group block by
 # block, a block of the group being its rows' ROWS fp16 scales, then their quants 4 bytes of each row in turn (a q4_0
 # byte holds elements j and j + 16; q8_0's quants stored plus 128, i.e. unsigned). One vpdpbusd then multiplies 4
@@ -23,8 +28,7 @@ BLOCK_FORMATS = {from_dtype(FORMATS[n].dtype): FORMATS[n] for n in ("q8_0", "q4_
 # likewise (its q4_0_8x8): a [45056, 2048] q4_0 matmul of one token 2.2 -> 1.2 ms.
 ROWS = 8
 INTERLEAVED = {n: np.dtype([("d", "<u2", (ROWS,)), ("qs", "u1", (ROWS * (FORMATS[n].block_bytes - 2),))])
-               for n in ("q8_0", "q4_0")}
-INTERLEAVED_FORMATS = {from_dtype(dt): FORMATS[n] for n, dt in INTERLEAVED.items()}
+               for n in QUANTIZED}
 # A q8_0 or q4_0 row as the sparse kernels read it, one neuron's rows at a time: its blocks in runs of RUN, a run
 # laid out as a group block with blocks for rows (the RUN blocks' fp16 scales, then word i of each block in turn, for
 # each word i; q8_0's quants stored plus 128), and the token's blocks likewise (quantize_input). One vpdpbusd then
@@ -33,9 +37,43 @@ INTERLEAVED_FORMATS = {from_dtype(dt): FORMATS[n] for n, dt in INTERLEAVED.items
 # ([1, 2048] x [1024, 2048] q4_0 in cache, 2 threads); a neuron's rows cannot be grouped with its neighbours', whom
 # the predictor does not pick with it.
 RUN = 8
-RUNS = {n: np.dtype([("d", "<u2", (RUN,)), ("qw", "u1", (RUN * (FORMATS[n].block_bytes - 2),))])
-        for n in ("q8_0", "q4_0")}
-RUN_FORMATS = {from_dtype(dt): FORMATS[n] for n, dt in RUNS.items()}
+RUNS = {n: np.dtype([("d", "<u2", (RUN,)), ("qw", "u1", (RUN * (FORMATS[n].block_bytes - 2),))]) for n in QUANTIZED}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one item of a kernel array is: `elements` values of each of `rows` rows in `format`, laid out as `name`
+    ("rows": a block of one row, "groups": a block of each of ROWS rows, "runs": RUN blocks of one row)."""
+
+    format: Format
+    name: str
+    rows: int = 1
+    elements: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "elements", self.format.block * (RUN if self.name == "runs" else 1))
+
+
+LAYOUTS = {**{f.dtype: Layout(f, "rows") for f in FORMATS.values()},
+           **{dt: Layout(FORMATS[n], "groups", ROWS) for n, dt in INTERLEAVED.items()},
+           **{dt: Layout(FORMATS[n], "runs") for n, dt in RUNS.items()}}
+TYPES = {from_dtype(dt): lay for dt, lay in LAYOUTS.items()}  # the same, keyed by the numba type kernels see
+
+
+def layout_of(w: np.ndarray) -> Layout:
+    """The format and layout of an array of rows (its item type's entry in LAYOUTS)."""
+    try:
+        return LAYOUTS[w.dtype]
+    except KeyError:
+        raise ValueError(f"no weight format or layout has items of {w.dtype}") from None
+
+
+def formats_in(layout: str) -> dict:
+    """{numba item type: Format} of the quantized formats in one layout, for the overloads of that layout."""
+    return {t: lay.format for t, lay in TYPES.items() if lay.name == layout and lay.format.quantized}
+
+
+BLOCK_FORMATS, INTERLEAVED_FORMATS, RUN_FORMATS = formats_in("rows"), formats_in("groups"), formats_in("runs")
 
 
 def is_float(row) -> bool:
@@ -49,11 +87,8 @@ def in_runs(row) -> bool:
 
 def float_kind(dtype) -> str | None:
     """'f32', 'f16' or 'bf16' for a numba dtype of a float format's row elements, else None."""
-    if dtype == types.float32:
-        return "f32"
-    if isinstance(dtype, types.Record) and len(dtype.fields) == 1:  # ref.common.formats' f16 and bf16 records
-        return next((k for k in ("f16", "bf16") if k in dtype.fields), None)
-    return None
+    lay = TYPES.get(dtype)
+    return None if lay is None or lay.format.quantized else lay.format.name
 
 
 # -------------------------------------------------------------------------------------------------- interleaved matrices
@@ -63,14 +98,9 @@ def interleaved(w) -> bool:
     return w.dtype in INTERLEAVED_FORMATS
 
 
-def group_format(dtype: np.dtype):
-    """The format of an interleaved group's rows (INTERLEAVED) if `dtype` is one's, else None."""
-    return next((FORMATS[n] for n, dt in INTERLEAVED.items() if dt == dtype), None)
-
-
 def n_rows(w) -> int:
     """Rows of a matrix (an interleaved one's groups times ROWS), in Python and in kernels."""
-    return w.shape[0] * (ROWS if group_format(w.dtype) else 1)
+    return w.shape[0] * layout_of(w).rows
 
 
 @overload(n_rows)
@@ -81,7 +111,7 @@ def _n_rows(w):
 
 def interleave(w: np.ndarray) -> np.ndarray:
     """A matrix [N, B] of q8_0 or q4_0 blocks as groups of ROWS rows [N / ROWS, B] (INTERLEAVED); N % ROWS == 0."""
-    name = format_of_blocks(w.dtype).name
+    name = layout_of(w).format.name
     (N, B), words = w.shape, (FORMATS[name].block_bytes - 2) // 4
     g = w.reshape(N // ROWS, ROWS, B)
     out = np.empty((N // ROWS, B), INTERLEAVED[name])
@@ -92,26 +122,9 @@ def interleave(w: np.ndarray) -> np.ndarray:
     return out
 
 
-def run_format(dtype: np.dtype):
-    """The format of rows in runs (RUNS) if `dtype` is a run's, else None."""
-    return next((FORMATS[n] for n, dt in RUNS.items() if dt == dtype), None)
-
-
-def item_elements(dtype: np.dtype) -> int:
-    """Elements of a row that one item of an array of `dtype` holds: a float, a block, a group block's row, a run."""
-    fmt = base_format(dtype)
-    return fmt.block * (RUN if run_format(dtype) else 1)
-
-
-def base_format(dtype: np.dtype):
-    """The weight format of a matrix of `dtype`: its blocks', or an interleaved group's rows' (ROWS blocks each), or
-    a run's blocks' (RUN)."""
-    return group_format(dtype) or run_format(dtype) or format_of_blocks(dtype)
-
-
 def to_runs(w: np.ndarray) -> np.ndarray:
     """Rows [..., B] of q8_0 or q4_0 blocks in runs [..., B / RUN] (RUNS); B % RUN == 0."""
-    name, lead, B = format_of_blocks(w.dtype).name, w.shape[:-1], w.shape[-1]
+    name, lead, B = layout_of(w).format.name, w.shape[:-1], w.shape[-1]
     words = (FORMATS[name].block_bytes - 2) // 4
     r = np.ascontiguousarray(w).reshape(-1, B // RUN, RUN)  # [N, run, block j]
     out = np.empty(r.shape[:2], RUNS[name])
@@ -127,7 +140,8 @@ def for_sparse(bundle: np.ndarray) -> np.ndarray:
     divides by RUN and the bundle has rows to take dot products with (P > 1; the dense layout's down rows alone read
     faster as blocks); other formats and shapes as they are. Runs also read the down rows (y += a down_i), at 1.2x
     (q4_0) to 1.8x (q8_0) the cost of blocks, that the neuron's rows stay one bundle. On huge pages (fast.pages)."""
-    fast = (any(FORMATS[n].dtype == bundle.dtype for n in RUNS) and bundle.ndim == 3 and bundle.shape[1] > 1
+    lay = layout_of(bundle)
+    fast = (lay.name == "rows" and lay.format.quantized and bundle.ndim == 3 and bundle.shape[1] > 1
             and bundle.shape[-1] % RUN == 0)
     return on_huge_pages(to_runs(bundle) if fast else bundle)
 
@@ -135,8 +149,9 @@ def for_sparse(bundle: np.ndarray) -> np.ndarray:
 def plain(w: np.ndarray) -> np.ndarray:
     """Rows of blocks [..., B]: an interleaved matrix's rows back in their own order, rows in runs back in blocks,
     others as they are."""
-    fmt = run_format(w.dtype)
-    if fmt is not None:
+    lay = layout_of(w)
+    fmt = lay.format
+    if lay.name == "runs":
         name, lead, n = fmt.name, w.shape[:-1], w.shape[-1]
         words = (fmt.block_bytes - 2) // 4
         r = np.ascontiguousarray(w).reshape(-1, n)  # [N, run]
@@ -145,8 +160,7 @@ def plain(w: np.ndarray) -> np.ndarray:
         qw = (r["qw"] ^ np.uint8(0x80 if name == "q8_0" else 0)).reshape(*r.shape, words, RUN, 4)  # [N, run, word, j, byte]
         out["qs"] = qw.transpose(0, 1, 3, 2, 4).reshape(*r.shape, RUN, 4 * words).view(out["qs"].dtype)
         return out.reshape(*lead, n * RUN)
-    fmt = group_format(w.dtype)
-    if fmt is None:
+    if lay.name == "rows":
         return w
     name = fmt.name
     (G, B), words = w.shape, (FORMATS[name].block_bytes - 2) // 4
@@ -160,5 +174,6 @@ def plain(w: np.ndarray) -> np.ndarray:
 def for_matmul(w: np.ndarray) -> np.ndarray:
     """A matrix [N, B] as fast.cpu.matmul reads it fastest: q8_0 and q4_0 rows interleaved in groups (INTERLEAVED)
     where N divides by ROWS; other formats and shapes as they are; on huge pages (fast.pages)."""
-    fast = any(FORMATS[n].dtype == w.dtype for n in INTERLEAVED) and w.ndim == 2 and w.shape[0] % ROWS == 0
+    lay = layout_of(w)
+    fast = lay.name == "rows" and lay.format.quantized and w.ndim == 2 and w.shape[0] % ROWS == 0
     return on_huge_pages(interleave(w) if fast else w)

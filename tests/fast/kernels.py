@@ -7,7 +7,7 @@ One table (SHAPES) serves the CPU kernels and the GPU kernels, which mirror the 
 import numpy as np
 
 from fast.cpu import KINDS, TILE_SHARE
-from fast.quant import INTERLEAVED, ROWS, for_sparse, interleave, run_format
+from fast.quant import INTERLEAVED, ROWS, for_sparse, interleave, layout_of
 from ref.model import attention as ref_attention
 from ref.model import ffn_activation
 from ref.quant import blocks, input_values, quantize, values
@@ -156,7 +156,7 @@ def ffn_weights(rng, F, D, fmt, gated, runs=False):
     bundle, bv, read = stored(randn(rng, F, 3 if gated else 2, D, scale=0.5), fmt)
     if runs:
         bundle = for_sparse(bundle)
-        assert run_format(bundle.dtype) is not None
+        assert layout_of(bundle).name == "runs"
     bu = EMPTY if gated else randn(rng, F, scale=0.5)
 
     def want(x, active, kind):

@@ -6,7 +6,7 @@ import ref
 from fast import Engine, apply_predictors
 from fast import blas
 from fast.engine import convert, dense_ffn
-from fast.quant import INTERLEAVED, base_format, plain
+from fast.quant import INTERLEAVED, layout_of, plain
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -46,7 +46,7 @@ def test_ref_and_fast_facades_agree_by_default(shipped_tokenizer):
     q8_0 beside the f16 weights): the same logits, not those of two different models."""
     pred = default_predictors(SHIPPED, None, False)
     e, m = fast.load_engine(SHIPPED, predictors=pred, threads=2), ref.load_model(SHIPPED, pred)
-    assert base_format(e.selector.fc1[0].dtype).name == "q8_0" and isinstance(m.selector.fc1[0], Quantized)
+    assert layout_of(e.selector.fc1[0]).format.name == "q8_0" and isinstance(m.selector.fc1[0], Quantized)
     ids = shipped_tokenizer.encode(PROMPTS[0])
     assert_close(e.logits(ids), m.logits(ids), rtol=1e-4)
 
@@ -119,8 +119,10 @@ def test_facade_composes_the_transforms(small):
     assert e.selector.threshold == np.float32(0.5) and e.compile_seconds > 0
     pred = Predictors.load(small / "predictors.safetensors", e.config)
     for ours, theirs in ((e.selector.fc1[0], pred.fc1[0]), (e.selector.fc2[0], pred.fc2[0])):
-        assert base_format(ours.dtype) == predictor_format(FORMATS["f16"], theirs.shape[-1])
-    assert {base_format(e.selector.fc1[0].dtype).name, base_format(e.selector.fc2[0].dtype).name} <= {"f16", "q8_0"}
+        assert layout_of(ours).format == predictor_format(FORMATS["f16"], theirs.shape[-1])
+    assert {layout_of(e.selector.fc1[0]).format.name, layout_of(e.selector.fc2[0]).format.name} <= {"f16", "q8_0"}
+    assert set(e.selector.formats) == {layout_of(a).format for a in (*e.selector.fc1, *e.selector.fc2)}
+    assert e.selector.params == tuple(a.shape[0] * a.shape[1] + b.shape[0] * b.shape[1] for a, b in zip(pred.fc1, pred.fc2))
     want = apply_predictors(Engine.load(small), predictors_beside(pred, FORMATS["f16"]), 0.5).logits(ids)
     np.testing.assert_array_equal(e.logits(ids), want)
 

@@ -141,6 +141,25 @@ def test_layouts_are_what_the_reference_reads(fmt):
     assert quant.for_sparse(b.reshape(8, 2, 16)).dtype == runs.dtype and quant.for_sparse(b[:, :12]).dtype == b.dtype
 
 
+def test_every_item_type_names_its_format_and_layout():
+    """fast.quant.LAYOUTS says which format and layout each kernel item type is, the same for numpy's dtypes and
+    numba's types; the layout transforms' outputs are what they say; anything else is refused by name."""
+    from numba.np.numpy_support import from_dtype
+
+    from fast import quant
+    assert len(quant.LAYOUTS) == len(FORMATS) + 2 * len(quant.INTERLEAVED)
+    for dt, lay in quant.LAYOUTS.items():
+        assert quant.TYPES[from_dtype(dt)] is lay and lay.elements == lay.format.block * (quant.RUN if lay.name == "runs" else 1)
+    for f in FORMATS.values():
+        b = blocks(quantize(np.ones((16, 32 * 8), np.float32), f))
+        matrix, bundle = quant.for_matmul(b), quant.for_sparse(b.reshape(8, 2, -1))
+        want = ("groups", "runs") if f.quantized else ("rows", "rows")
+        assert (quant.layout_of(matrix).name, quant.layout_of(bundle).name) == want
+        assert quant.layout_of(matrix).format is quant.layout_of(bundle).format is f and quant.n_rows(matrix) == 16
+    with pytest.raises(ValueError, match="float64"):
+        quant.layout_of(np.zeros(2))
+
+
 def test_the_reference_reads_blocks_as_ref_quant_does():
     """quant_ref's decoding of plain rows is ref.quant.values (the gguf package's, byte for byte), for every format."""
     from ref.quant import values
