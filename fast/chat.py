@@ -6,6 +6,7 @@ transformers' environment: ImmutableSandboxedEnvironment(trim_blocks, lstrip_blo
 """
 
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 
@@ -17,8 +18,31 @@ FALLBACK = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'
             "{% if add_generation_prompt %}Assistant:{% endif %}")
 
 
+MAX_TEXT = 1 << 24  # characters (or items) a template's * and ** may make: a prompt, not the machine's memory
+
+
 class TemplateError(ValueError):
     """A request the template cannot render (the HTTP layer answers 400)."""
+
+
+def sandbox():
+    """transformers' sandboxed environment, with its repetitions bounded: 'a' * 400000000 in a model's template
+    (or a power with a huge result) is refused instead of allocating gigabytes."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                n, seq = (right, left) if isinstance(right, int) else (left, right)
+                if isinstance(n, int) and hasattr(seq, "__len__") and n * len(seq) > MAX_TEXT:
+                    raise SecurityError(f"the template repeats {len(seq)} items {n} times")
+            elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * math.log2(abs(left)) > 4096:
+                raise SecurityError(f"the template raises {left} to the power {right}")
+            return super().call_binop(context, operator, left, right)
+
+    return Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
 
 def model_template(path: Path) -> str | None:
@@ -30,9 +54,12 @@ def model_template(path: Path) -> str | None:
         if not cfg.is_file():
             return None
         try:
-            t = json.loads(cfg.read_text()).get("chat_template")
+            meta = json.loads(cfg.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{cfg}: not valid JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise UserError(f"{cfg}: not a JSON object")
+        t = meta.get("chat_template")
         if isinstance(t, list):
             t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
         return t if isinstance(t, str) else None
@@ -46,10 +73,9 @@ class ChatTemplate:
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
         from jinja2 import TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.is_fallback = source is None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = sandbox()
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = self.raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -22,13 +22,13 @@ _replica: dict = {}  # this replica process's scheduler (each Ray Serve replica 
 
 
 def build_app(path: str, slots: int, ctx_size: int, batch_size: int, max_queue: int, threads: int | None,
-              device: str, dense: bool, alias: str | None, api_key: str | None):
+              device: str, dense: bool, alias: str | None, api_key: str | None, host: str = "127.0.0.1"):
     """fast.serve's application over a scheduler that loads the model on its engine thread (run on the replica)."""
     from ref.sparse import default_predictors
     from fast.serve import serving
 
     model = Path(path)
-    server, app = serving(model, slots, ctx_size, batch_size, max_queue, alias, api_key, device=device,
+    server, app = serving(model, slots, ctx_size, batch_size, max_queue, alias, api_key, host, device=device,
                           predictors=default_predictors(model, None, dense), threads=threads)
     scheduler = _replica["scheduler"] = server.scheduler
     # Ray's router sends requests to a replica once it is built, without asking /health: build it loaded.
@@ -50,12 +50,14 @@ class Replica:
 
 def application(path: Path, replicas: int, slots: int = 4, ctx_size: int = 0, batch_size: int = 512,
                 max_queue: int = 64, threads: int | None = None, device: str = "cpu", dense: bool = False,
-                alias: str | None = None, api_key: str | None = None, cpus_per_replica: float | None = None):
+                alias: str | None = None, api_key: str | None = None, cpus_per_replica: float | None = None,
+                host: str = "127.0.0.1"):
     """A Ray Serve application of `replicas` fast.serve replicas (serve.run it)."""
     from ray import serve
 
     def build():  # a plain function: Ray Serve takes any other callable for the ASGI app itself
-        return build_app(str(path), slots, ctx_size, batch_size, max_queue, threads, device, dense, alias, api_key)
+        return build_app(str(path), slots, ctx_size, batch_size, max_queue, threads, device, dense, alias, api_key,
+                         host)
     options = {"num_cpus": cpus_per_replica if cpus_per_replica is not None else (threads or 1)}
     if device != "cpu":
         options["num_gpus"] = 1
@@ -93,7 +95,7 @@ def main(model_dir, model, replicas, host, port, slots, ctx_size, threads, devic
     ray.init(address=address, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(path, replicas, slots, ctx_size, threads=threads, device=device, dense=dense,
-                          alias=alias, api_key=api_key), route_prefix="/", blocking=True)
+                          alias=alias, api_key=api_key, host=host), route_prefix="/", blocking=True)
 
 
 if __name__ == "__main__":

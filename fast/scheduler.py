@@ -125,6 +125,10 @@ class Request:
     first_token_at: float = 0.0
 
 
+def failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def deliver(items) -> None:
     for r, event in items:
         r.emit(event)
@@ -249,9 +253,9 @@ class Scheduler:
                 continue
             try:
                 self.step()
-            except Exception as e:  # a bug, not a request's fault: every running request learns of it
+            except Exception as e:  # outside any one request's work (step isolates those): everyone learns of it
                 for r in list(self.running):
-                    self.finish(r, None, error=f"{type(e).__name__}: {e}")
+                    self.finish(r, None, error=failure(e))
             self.flush()
 
     def admit(self) -> None:
@@ -289,13 +293,57 @@ class Scheduler:
         if not runs:
             return
         t0 = time.perf_counter()
-        logits = self.engine.forward(Batch.of(runs, self.cache, last_only=True), self.cache)  # [runs, V]
+        logits = self.forward(runs)  # {slot: [V]} of the runs that went through
         self.metrics["seconds_total"] += time.perf_counter() - t0
         self.metrics["decode_steps_total"] += 1
-        row = {slot: i for i, (slot, _) in enumerate(runs)}
-        rows = logits[[row[r.slot] for r in sampled]]  # [B, V]
-        for r, t, z in zip(sampled, self.sample(sampled, rows), rows):
-            self.next_token(r, int(t), z)
+        for r in [r for r in sampled if r.slot not in logits]:
+            sampled.remove(r)
+        rows = np.stack([logits[r.slot] for r in sampled]) if sampled else np.empty((0, 1), np.float32)  # [B, V]
+        for r, t, z in zip(sampled, self.sample_each(sampled, rows), rows):
+            if t >= 0:
+                self.alone(r, self.next_token, r, int(t), z)
+
+    def alone(self, r: Request, fn, *args):
+        """fn(*args), a step of request r's own: if it raises, r ends with the error and the others go on."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if r in self.running:
+                self.finish(r, None, error=failure(e))
+
+    def forward(self, runs: list) -> dict:
+        """Logits {slot: [V]} of each run's last token, the runs in one forward; should that fail, each run alone, so
+        that a run that fails ends its own request only (the cache's lengths as they were before each try)."""
+        lengths, by_slot = self.cache.lengths.copy(), {r.slot: r for r in self.running}
+        try:
+            logits = self.engine.forward(Batch.of(runs, self.cache, last_only=True), self.cache)  # [runs, V]
+            return {slot: z for (slot, _), z in zip(runs, logits)}
+        except Exception as e:
+            self.cache.lengths[:] = lengths
+            if len(runs) == 1:
+                self.finish(by_slot[runs[0][0]], None, error=failure(e))
+                return {}
+        out = {}
+        for slot, tokens in runs:
+            got = self.alone(by_slot[slot], self.engine.forward, Batch.of([(slot, tokens)], self.cache, last_only=True),
+                             self.cache)
+            if got is not None:
+                out[slot] = got[0]
+        return out
+
+    def sample_each(self, reqs: list[Request], logits: np.ndarray) -> np.ndarray:
+        """`sample` of all rows at once; should that fail, row by row, a row that fails ending its request (token
+        -1)."""
+        try:
+            return self.sample(reqs, logits)
+        except Exception:
+            pass
+        out = np.full(len(reqs), -1, np.int64)
+        for i, r in enumerate(reqs):
+            t = self.alone(r, self.sample, [r], logits[i:i + 1])
+            if t is not None:
+                out[i] = t[0]
+        return out
 
     @staticmethod
     def sample(reqs: list[Request], logits: np.ndarray) -> np.ndarray:

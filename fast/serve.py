@@ -14,6 +14,7 @@ ctrl_c_quits_while_starting(__name__)
 
 import asyncio
 import json
+import math
 import secrets
 import socket
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import click
 
 from fast.chat import ChatTemplate, TemplateError, model_template
+from fast.guard import MAX_BODY, BodyError, Guard, host_names
 from fast.scheduler import Params, QueueFull, Request, Scheduler
 from ref.common.cli import FORMAT_CHOICE, resolve_model, user_errors
 from ref.common.errors import UserError
@@ -30,6 +32,9 @@ from ref.common.sampling import REPEAT_LAST_N
 
 PAGE = Path(__file__).with_name("chat.html")
 MAX_LOGPROBS = 20
+MAX_STOP = 16, 1000  # stop strings, characters each: every token checks each one's tail
+INT32 = 2**31 - 1  # what the kernels' and samplers' integer fields hold
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; what chat templates are written for
 
 
 class ApiError(Exception):
@@ -50,7 +55,7 @@ def field(body: dict, name: str, kind, default, check=None, what: str = ""):
         return default
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
-    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or kind is float and not math.isfinite(v):
         raise ApiError(400, f"'{name}' must be {what or kind.__name__}, got {json.dumps(v)[:60]}", param=name)
     if check is not None and not check(v):
         raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(v)[:60]}", param=name)
@@ -59,7 +64,7 @@ def field(body: dict, name: str, kind, default, check=None, what: str = ""):
 
 def parse_params(body: dict, chat: bool) -> tuple[Params, bool]:
     """Generation settings of a request body (OpenAI's names, llama.cpp's extras and defaults), and `stream`."""
-    n = field(body, "n", int, 1)
+    n = field(body, "n", int, 1, lambda v: v == 1, "1")
     if n != 1:
         raise ApiError(400, "only one completion choice is allowed ('n' must be 1)", param="n")
     for unsupported in ("best_of", "suffix"):
@@ -69,27 +74,30 @@ def parse_params(body: dict, chat: bool) -> tuple[Params, bool]:
         raise ApiError(400, "'echo' is not supported", param="echo")
     max_tokens = field(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", int,
                        body.get("n_predict", -1) if not isinstance(body.get("n_predict"), bool) else -1)
-    if max_tokens == 0 or max_tokens < -1:
+    if max_tokens == 0 or not -1 <= max_tokens <= INT32:
         raise ApiError(400, f"'max_tokens' must be >= 1 (or -1: until the end of text), got {max_tokens}",
                        param="max_tokens")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16):
-        raise ApiError(400, "'stop' must be a string or a list of at most 16 strings", param="stop")
+    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP[0]
+                             or not all(isinstance(s, str) and len(s) <= MAX_STOP[1] for s in stop)):
+        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP[0]} strings of at most "
+                       f"{MAX_STOP[1]} characters", param="stop")
     if chat:  # logprobs: true, and top_logprobs alternatives (at least the chosen token's)
         top = field(body, "top_logprobs", int, 0, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
         logprobs = max(top, 1) if field(body, "logprobs", bool, False) else 0
     else:
         logprobs = field(body, "logprobs", int, 0, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
-    seed = field(body, "seed", int, None)
+    seed = field(body, "seed", int, None, lambda v: abs(v) < 2**64, "an integer of at most 64 bits")
     p = Params(
         max_tokens=max_tokens,
         temperature=field(body, "temperature", float, 0.8, lambda v: 0 <= v <= 100, "a number >= 0"),
-        top_k=field(body, "top_k", int, 40, lambda v: v >= 0, "an integer >= 0"),
+        top_k=field(body, "top_k", int, 40, lambda v: 0 <= v <= INT32, f"an integer in [0, {INT32}]"),
         top_p=field(body, "top_p", float, 0.95, lambda v: 0 < v <= 1, "a number in (0, 1]"),
         min_p=field(body, "min_p", float, 0.05, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-        repeat_penalty=field(body, "repeat_penalty", float, 1.0, lambda v: v > 0, "a number > 0"),
-        repeat_last_n=field(body, "repeat_last_n", int, REPEAT_LAST_N, lambda v: v >= -1, "an integer >= -1"),
+        repeat_penalty=field(body, "repeat_penalty", float, 1.0, lambda v: 0 < v <= 100, "a number in (0, 100]"),
+        repeat_last_n=field(body, "repeat_last_n", int, REPEAT_LAST_N, lambda v: -1 <= v <= INT32,
+                            f"an integer in [-1, {INT32}]"),
         presence_penalty=field(body, "presence_penalty", float, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         frequency_penalty=field(body, "frequency_penalty", float, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         seed=None if seed is None or seed < 0 else seed,
@@ -103,8 +111,9 @@ def check_messages(messages) -> list[dict]:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object with a 'role' of {', '.join(ROLES)}",
+                           param="messages")
         content = m.get("content")
         if isinstance(content, list):  # text parts
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
@@ -117,31 +126,44 @@ def check_messages(messages) -> list[dict]:
 
 
 class Server:
-    """What the routes share: the scheduler, the tokenizer's chat template, names, the API key, counters."""
+    """What the routes share: the scheduler, the model's chat template, names, the API key and the HTTP limits."""
 
-    def __init__(self, scheduler: Scheduler, model_path: Path, alias: str, api_key: str | None):
+    def __init__(self, scheduler: Scheduler, model_path: Path, alias: str, api_key: str | None,
+                 template: ChatTemplate, longest_piece: int, hosts: frozenset = host_names("127.0.0.1"),
+                 max_body: int = MAX_BODY, cors: tuple[str, ...] = ()):
         self.scheduler, self.model_path, self.alias, self.api_key = scheduler, model_path, alias, api_key
-        self.template: ChatTemplate | None = None
+        self.template, self.longest_piece = template, longest_piece
+        self.hosts, self.max_body, self.cors = hosts, max_body, cors
         self.started = time.time()
 
-    def chat_template(self) -> ChatTemplate:
-        if self.template is None:
-            tok = self.scheduler.tokenizer
-            bos = tok.tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
-            eos = tok.tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
-            self.template = ChatTemplate(model_template(self.model_path), bos or "", eos or "")
-        return self.template
+    def check_length(self, text: str, what: str) -> None:
+        """Refuse a text that must tokenize to more than a slot holds, before tokenizing it: no token decodes to more
+        than `longest_piece` bytes, so it is at least len(bytes) / longest_piece tokens."""
+        ctx = self.scheduler.ctx
+        if len(text) >= ctx and len(text.encode()) // self.longest_piece >= ctx:
+            raise ApiError(400, f"the request exceeds the available context size: {what} of {len(text)} characters is "
+                           f"more than {ctx} tokens (-c/--ctx-size)", param=what)
+
+
+def chat_template(path: Path, tokenizer) -> ChatTemplate:
+    """The model's chat template, compiled now: one that does not compile stops the server at start."""
+    bos = tokenizer.tok.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.tok.id_to_token(tokenizer.eos_ids[0]) if tokenizer.eos_ids else ""
+    return ChatTemplate(model_template(path), bos or "", eos or "")
 
 
 def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: int, alias: str | None,
-            api_key: str | None, **engine_options) -> tuple[Server, object]:
+            api_key: str | None, host: str = "127.0.0.1", host_allow=(), max_body: int = MAX_BODY, cors=(),
+            **engine_options) -> tuple[Server, object]:
     """A started scheduler, which loads the model on its engine thread (fast.load.load_engine with `engine_options`),
     and the application over it: what fast.serve and each fast.replicas replica run."""
     from fast.engine import free_cores
     from fast.load import load_engine, say_compiling
     from ref.common.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(path)  # a bad tokenizer is refused now, not on the engine thread
+    tokenizer = load_tokenizer(path)  # a bad tokenizer or chat template is refused now, not on the first request
+    template = chat_template(path, tokenizer)
+    longest_piece = max(len(p.encode()) for p in tokenizer.tok.get_vocab(with_added_tokens=True))
     if engine_options.get("threads") is None:  # counted now: once uvicorn starts, its own start-up looks like a
         engine_options["threads"] = free_cores()  # busy core, and a 2-core machine got 1 thread
 
@@ -152,7 +174,7 @@ def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: i
         return engine, tokenizer
 
     server = Server(Scheduler(load, slots, ctx_size or None, batch_size, max_queue).start(), path, alias or path.name,
-                    api_key)
+                    api_key, template, longest_piece, host_names(host, host_allow), max_body, tuple(cors))
     return server, create_app(server)
 
 
@@ -160,10 +182,15 @@ def create_app(server: Server):
     """The FastAPI application over a (started) scheduler."""
     from fastapi import Depends, FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="powerinfer-py", docs_url=None, redoc_url=None)
+    app = FastAPI(title="powerinfer-py", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, names=server.hosts, max_body=server.max_body)
+    if server.cors:  # outside the guard: a preflight is answered for the listed origins only
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.cors), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     sched = server.scheduler
 
     def error_response(e: ApiError) -> JSONResponse:
@@ -199,11 +226,16 @@ def create_app(server: Server):
         if not sched.ready.is_set():
             raise ApiError(503, "the model is loading", "unavailable_error")
 
+    @app.exception_handler(BodyError)
+    async def body_error(_, e: BodyError):
+        return error_response(ApiError(e.status, e.message))
+
+    async def json_response(obj: dict) -> Response:
+        """obj as a JSON response, serialized off the loop (a million token ids take a while)."""
+        return Response(await asyncio.to_thread(json.dumps, obj), media_type="application/json")
+
     async def json_body(request: HttpRequest) -> dict:
-        try:
-            body = json.loads(await request.body() or b"null")
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+        body = await asyncio.to_thread(parse_json, await request.body())  # off the loop: megabytes take a while
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if not isinstance(body.get("model", ""), str):  # any name is this server's model, as llama-server takes it
@@ -251,10 +283,10 @@ def create_app(server: Server):
         content = field(body, "content", str, None, what="a string")
         if content is None:
             raise ApiError(400, "'content' is required", param="content")
-        ids = sched.tokenizer.encode(content)
+        ids = await asyncio.to_thread(sched.tokenizer.encode, content)
         if not field(body, "add_special", bool, False) and sched.tokenizer.bos_id is not None and ids[:1] == [sched.tokenizer.bos_id]:
             ids = ids[1:]
-        return {"tokens": ids}
+        return await json_response({"tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: HttpRequest):
@@ -264,7 +296,9 @@ def create_app(server: Server):
         V = sched.engine.config.vocab_size
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in ids):
             raise ApiError(400, f"'tokens' must be a list of token ids in [0, {V})", param="tokens")
-        return {"content": sched.tokenizer.decode(ids)}
+        tok = sched.tokenizer.tok  # decode_batch lets the event loop run meanwhile, as decode does not
+        return await json_response({"content": (await asyncio.to_thread(tok.decode_batch, [ids],
+                                                                        skip_special_tokens=True))[0]})
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -281,7 +315,9 @@ def create_app(server: Server):
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
         params, stream = parse_params(body, chat=False)
-        return await respond(request, sched.tokenizer.encode(prompt), params, stream, chat=False)
+        server.check_length(prompt, "prompt")
+        ids = await asyncio.to_thread(sched.tokenizer.encode, prompt)
+        return await respond(request, ids, params, stream, chat=False)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -291,11 +327,12 @@ def create_app(server: Server):
         messages = check_messages(body.get("messages"))
         params, stream = parse_params(body, chat=True)
         try:
-            text = server.chat_template().render(messages, add_generation_prompt=messages[-1]["role"] != "assistant",
-                                                 tools=body.get("tools"))
+            text = await asyncio.to_thread(server.template.render, messages, tools=body.get("tools"),
+                                           add_generation_prompt=messages[-1]["role"] != "assistant")
         except TemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = sched.tokenizer.encode(text)
+        server.check_length(text, "messages")
+        ids = await asyncio.to_thread(sched.tokenizer.encode, text)
         return await respond(request, ids, params, stream, chat=True)
 
     async def respond(request: HttpRequest, ids: list[int], params: Params, stream: bool, chat: bool):
@@ -316,15 +353,12 @@ def create_app(server: Server):
             return StreamingResponse(stream_events(req, events, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         pieces = []
+        gone = asyncio.create_task(disconnected(request, req, events))
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(events.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        req.cancelled.set()
-                        return JSONResponse({}, status_code=499)
-                    continue
+                ev = await events.get()
+                if ev[0] == "gone":
+                    return JSONResponse({}, status_code=499)  # nobody reads it
                 if ev[0] == "text":
                     pieces.append(ev[1])
                 elif ev[0] == "error":
@@ -332,7 +366,16 @@ def create_app(server: Server):
                 else:
                     return shape.whole("".join(pieces), ev[1], ev[2])
         finally:
+            gone.cancel()
             req.cancelled.set()  # a no-op once finished; frees the slot of a request whose handler ended early
+
+    async def disconnected(request: HttpRequest, req: Request, events: asyncio.Queue) -> None:
+        """Cancel req when its client goes away (the body is read: the next ASGI message is the disconnect), which
+        the scheduler drops at its next step, and end the handler waiting on its events."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        req.cancelled.set()
+        events.put_nowait(("gone",))
 
     async def stream_events(req: Request, events: asyncio.Queue, shape: "Shape"):
         try:
@@ -353,6 +396,19 @@ def create_app(server: Server):
             req.cancelled.set()
 
     return app
+
+
+def parse_json(raw: bytes):
+    """A request body as JSON: NaN and Infinity (which Python's json takes) refused, and nesting as deep as the
+    parser's recursion limit."""
+    def constant(name):
+        raise ValueError(f"{name} is not JSON")
+    try:
+        return json.loads(raw or b"null", parse_constant=constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
 
 
 def sse(obj: dict) -> str:
@@ -417,6 +473,23 @@ class Shape:
         return out
 
 
+def read_api_key(key: str | None, file: Path | None) -> str | None:
+    """--api-key (or POWERINFER_API_KEY), or the first line of --api-key-file; not both."""
+    if file is None:
+        if key is not None and not key.strip():
+            raise UserError("--api-key is empty")
+        return key
+    if key is not None:
+        raise UserError("--api-key-file and --api-key (or POWERINFER_API_KEY) both give a key: give one")
+    try:
+        lines = file.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--api-key-file {file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not lines or not lines[0].strip():
+        raise UserError(f"--api-key-file {file}: its first line is empty")
+    return lines[0].strip()
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", required=False, type=click.Path(path_type=Path))
 @click.option("-m", "--model", type=click.Path(path_type=Path), default=None, help="Same as MODEL_DIR.")
@@ -438,10 +511,20 @@ class Shape:
               help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer GGUF's own]")
 @click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid).")
 @click.option("-a", "--alias", default=None, help="The model's name in the API [default: the model's file or folder name].")
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but / and /health.")
+@click.option("--api-key", default=None, envvar="POWERINFER_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but / and /health.")
+@click.option("--api-key-file", type=click.Path(path_type=Path), default=None,
+              help="Read --api-key from this file's first line (kept out of the process list).")
+@click.option("--host-allow", multiple=True, metavar="NAME",
+              help="Another name clients reach this server by (Host header); IP addresses and localhost always "
+                   "pass; '*' passes any (repeatable).")
+@click.option("--cors", multiple=True, metavar="ORIGIN",
+              help="Let pages of this origin (https://example.com) call the API from a browser (repeatable).")
+@click.option("--max-body", type=float, default=MAX_BODY / 2**20, show_default=True,
+              help="Largest request body in MiB; larger ones get 413 before they are read.")
 @user_errors
 def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, threads, device, type_, dense,
-         predictors, vram_budget, alias, api_key):
+         predictors, vram_budget, alias, api_key, api_key_file, host_allow, cors, max_body):
     """Serve MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) over OpenAI's HTTP API."""
     try:
         import uvicorn
@@ -450,6 +533,9 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
     from ref.sparse import default_predictors
 
     path = resolve_model(model_dir, model)
+    api_key = read_api_key(api_key, api_key_file)
+    if not max_body > 0:
+        raise UserError(f"--max-body must be > 0 MiB, got {max_body:g}")
     if ctx_size < 0:
         raise UserError(f"-c/--ctx-size must be >= 0, got {ctx_size}")
     if not 0 < port < 65536:
@@ -460,9 +546,9 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
             probe.bind((host, port))
         except OSError as e:
             raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
-    server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, device=device,
-                          predictors=default_predictors(path, predictors, dense), threads=threads, type_=type_,
-                          vram_budget=vram_budget)
+    server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, host, host_allow,
+                          int(max_body * 2**20), cors, device=device, predictors=default_predictors(path, predictors, dense),
+                          threads=threads, type_=type_, vram_budget=vram_budget)
     scheduler = server.scheduler
     click.echo(f"loading {path} on the engine thread; serving http://{host}:{port} (/health is 503 until loaded)",
                err=True)

@@ -21,8 +21,9 @@ class Tokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, led by BOS when the model has one."""
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`, led by BOS when the model has one. (encode_batch lets other Python threads run while
+        it works, as encode does not: a server's event loop goes on answering during a long prompt.)"""
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         return ([self.bos_id] if self.bos_id is not None else []) + ids
 
     def decode(self, ids) -> str:

@@ -1,5 +1,6 @@
 """A `python -m fast.serve` process for the end-to-end tests."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,11 +20,12 @@ def free_port() -> int:
 class ServerProcess:
     """A server on a free port, polled on /health until it answers 200 (llama.cpp's test harness does the same)."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "fast.serve", "--port", str(self.port), "-t", "1", *args],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=None if env is None else {**os.environ, **env})
         # The first server of a fresh clone compiles the several-sequence kernels before it is healthy: 78 s on a quiet
         # 2-core machine after fast.run compiled the one-token ones, past 120 s on a busy one.
         deadline = time.time() + 300

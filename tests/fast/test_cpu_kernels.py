@@ -44,6 +44,12 @@ def test_a_kernels_cache_is_stale_when_any_kernel_source_changes(tmp_path, monke
     kernel_cache.stamp.cache_clear()
     assert kernel_cache.InTree.from_function(len, str(tmp_path.parent / "elsewhere.py")) is None
     assert type(cpu.matmul._cache._impl.locator).__mro__[1] is kernel_cache.KernelSources
+    # the user's NUMBA_CACHE_DIR too: with it set, the old drop_stale_cache stepped aside and numba kept running q8_0
+    # input rounding compiled before its fix (27f6468: the 1-in-1000 failure of the q8_0 batch FFN case)
+    from numba.core import caching
+    assert caching.CacheImpl._locator_classes[:3] == [kernel_cache.UserProvided, kernel_cache.InTree,
+                                                      kernel_cache.UserWide]
+    assert all(issubclass(c, kernel_cache.KernelSources) for c in caching.CacheImpl._locator_classes[:3])
 
 
 def test_a_run_that_compiles_says_so_once():

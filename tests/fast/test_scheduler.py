@@ -128,3 +128,55 @@ def test_text_stream_cuts_a_stop_string_across_tokens():
             break
     whole = tok.decode(ids)
     assert stopped and shown == whole[:whole.index("a little")] and shown.endswith("there was ")
+
+
+class PoisonedEngine:
+    """An engine whose forward fails on any batch holding token `poison`, as a request's bad input might."""
+
+    def __init__(self, engine, poison: int):
+        self.engine, self.poison = engine, poison
+        self.config, self.new_cache = engine.config, engine.new_cache
+
+    def forward(self, batch, cache):
+        if self.poison in batch.tokens:
+            raise ValueError("poisoned batch")
+        return self.engine.forward(batch, cache)
+
+
+@pytest.mark.parametrize("poison", ["sampling", "forward"])
+def test_a_failing_request_fails_alone(poison):
+    """A request that fails on the engine thread (its sampler overflows: top_k 10**20; the forward of its batch
+    raises) gets an error event; the three beside it finish with the tokens they get alone."""
+    import threading
+    from fast.load import load_engine
+    tok = load_tokenizer(SHIPPED)
+    engine = load_engine(SHIPPED, threads=1)
+    if poison == "forward":
+        engine = PoisonedEngine(engine, 7)
+    greedy = Params(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [tok.encode(p) for p in ("Once upon a time", "The dog", "She said")]
+    assert not any(7 in p for p in prompts)
+    bad = Request(prompts[0] + [7], greedy, None) if poison == "forward" else Request(
+        prompts[1], Params(top_k=10**20, max_tokens=12), None)
+
+    def run(requests):
+        sched = Scheduler(lambda: (engine, tok), slots=4, ctx_size=64).start()
+        sched.ready.wait(120)
+        done, events = threading.Event(), {id(r): [] for r in requests}
+        for r in requests:
+            def emit(ev, r=r):
+                events[id(r)].append(ev)
+                if all(e and e[-1][0] in ("done", "error") for e in events.values()):
+                    done.set()
+            r.emit = emit
+            sched.submit(r)
+        assert done.wait(120)
+        sched.stop()
+        return [events[id(r)] for r in requests]
+
+    alone = [run([Request(p, greedy, None)])[0] for p in prompts]
+    together = run([Request(p, greedy, None) for p in prompts[:2]] + [bad] + [Request(prompts[2], greedy, None)])
+    assert together[2][-1][0] == "error" and ("poisoned" if poison == "forward" else "Overflow") in together[2][-1][1]
+    for got, want in zip(together[:2] + together[3:], alone):
+        assert got[-1][0] == "done" and got[-1][2]["completion_tokens"] == 12
+        assert [e[:2] for e in got[:-1]] == [e[:2] for e in want[:-1]]
