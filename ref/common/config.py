@@ -5,10 +5,14 @@ Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V v
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from ref.common.errors import UserError
+
+MAX_INT = 2**31 - 1  # any count or size: the kernels index with int32
+MAX_CONTEXT = 1 << 24  # positions: the RoPE tables and learned positions are built for all of them
 
 # HF architecture -> model family: one block definition and one weight-name table each (ref.model, ref.common.names).
 # ProSparse's folders name their remote code's classes (configuration_sparsellama.py, modeling_sparsellama.py).
@@ -115,7 +119,19 @@ class ModelConfig:
                             "key-value heads")
         if cfg.head_dim % 2:  # rotate-half RoPE needs it, and so do the engines' attention kernels
             raise UserError(f"{source}: the head dimension must be even, got {cfg.head_dim}")
+        if cfg.max_seq_len > MAX_CONTEXT:
+            raise UserError(f"{source}: a context of {cfg.max_seq_len} positions is more than the {MAX_CONTEXT} this "
+                            "engine takes")
         return cfg
+
+    def check_bytes(self, nbytes: int, source) -> None:
+        """Refuse a config whose weights cannot be in `nbytes` of checkpoint, before anything is built per layer: even
+        in q4_0 (the smallest format read: 18 bytes a block of 32) its n_params take n_params * 18 / 32 bytes."""
+        least = self.n_params * 18 // 32
+        if least > nbytes:
+            raise UserError(f"{source}: the config describes {self.n_params:,} parameters ({self.n_layers:,} layers, "
+                            f"vocabulary {self.vocab_size:,}), at least {least:,} bytes even in q4_0; the checkpoint "
+                            f"holds {nbytes:,}")
 
 
 class Fields:
@@ -132,16 +148,17 @@ class Fields:
         value = self.get(key, default)
         if value is None:
             raise UserError(f"{self.source}: missing field '{key}'")
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise UserError(f"{self.source}: field '{key}' must be a positive integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_INT:
+            raise UserError(f"{self.source}: field '{key}' must be a positive integer of at most {MAX_INT}, "
+                            f"got {value!r}"[:300])
         return value
 
     def float(self, key, default, zero_ok=False):
         value = self.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not zero_ok):
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
+                or (value == 0 and not zero_ok)):
             sign = "non-negative" if zero_ok else "positive"
-            raise UserError(f"{self.source}: field '{key}' must be a {sign} number, "
-                            f"got {value!r}")
+            raise UserError(f"{self.source}: field '{key}' must be a finite {sign} number, got {value!r}"[:300])
         return float(value)
 
     def bool(self, key, default):
@@ -163,7 +180,8 @@ class Fields:
                    or {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")})
         if scaling or params.get("rope_type", "default") != "default":
             raise UserError(f"{self.source}: rope_scaling {self.raw.get('rope_scaling') or params!r} is not supported")
-        return float(params.get("rope_theta", self.raw.get("rope_theta", 10000.0)))
+        return Fields({"rope_theta": params.get("rope_theta", self.raw.get("rope_theta"))}, self.source).float(
+            "rope_theta", 10000.0)
 
 
 def parse_llama(f: Fields, arch: str) -> dict:

@@ -157,7 +157,9 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     reader = _reader(path)
     meta = Metadata(path, reader)
     found = {t.name: t for t in reader.tensors}
+    check_ranges(path, reader.tensors, path.stat().st_size)
     cfg = config_from_gguf(meta, kind, tied="output.weight" not in found)
+    cfg.check_bytes(path.stat().st_size, path)
     tensors, used = {}, set()
     for ours, shape in expected_shapes(cfg).items():
         gname = gguf_name(cfg, ours)
@@ -182,6 +184,18 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     if extra:
         raise UserError(f"{path}: {len(extra)} unexpected tensor(s), first {extra[0]}")
     return GGUFCheckpoint(kind, cfg, tensors, predictors, meta)
+
+
+def check_ranges(path: Path, tensors, size: int) -> None:
+    """Every tensor's bytes inside the file and no two tensors sharing a byte (a crafted file could alias them)."""
+    end, last = 0, None
+    for t in sorted(tensors, key=lambda t: int(t.data_offset)):
+        a, b = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+        if a < end:
+            raise UserError(f"{path}: tensors {last} and {t.name} overlap (bytes {a} to {end})")
+        if b > size:
+            raise UserError(f"{path}: tensor {t.name} runs past the end of the file ({b} > {size} bytes)")
+        end, last = b, t.name
 
 
 def read_predictors(path: Path, cfg: ModelConfig, found: dict, meta: Metadata, used: set) -> Predictors | None:

@@ -6,6 +6,7 @@ tensors are kept as their raw bits (`BF16`).
 """
 
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -18,6 +19,7 @@ DTYPES = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.flo
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(t): name for name, t in DTYPES.items() if name != "BF16"}  # numpy dtype -> safetensors name
 CHUNK_BYTES = 1 << 24  # the writer converts and writes this much of a tensor at a time
+MAX_HEADER = 100 << 20  # bytes of JSON header, safetensors' own limit
 
 
 def read_header(path: Path) -> tuple[dict, int, dict]:
@@ -28,6 +30,8 @@ def read_header(path: Path) -> tuple[dict, int, dict]:
         if len(head) < 8:
             raise UserError(f"{path}: truncated safetensors file (no header)")
         (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise UserError(f"{path}: a safetensors header of {n} bytes (the format allows {MAX_HEADER})")
         if n > size - 8:
             raise UserError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes in a {size}-byte file)")
         try:
@@ -37,10 +41,29 @@ def read_header(path: Path) -> tuple[dict, int, dict]:
     if not isinstance(header, dict):
         raise UserError(f"{path}: corrupt safetensors header")
     metadata = header.pop("__metadata__", None) or {}
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise UserError(f"{path}: __metadata__ must map names to strings")
+    end, last = 0, None
+    for a, b, name in sorted(entry_span(path, name, t) for name, t in header.items()):
+        if a < end:
+            raise UserError(f"{path}: tensors {last} and {name} overlap (bytes {a} to {end} of the data)")
+        end, last = b, name
     if 8 + n + end > size:
         raise UserError(f"{path}: truncated safetensors file ({size} bytes, tensors need {8 + n + end})")
     return header, 8 + n, metadata
+
+
+def entry_span(path: Path, name: str, t) -> tuple[int, int, str]:
+    """A header entry's data range, the entry checked to be {dtype, shape, data_offsets} of the right types."""
+    def count(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+            and all(count(d) for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
+            and len(t["data_offsets"]) == 2 and all(count(o) for o in t["data_offsets"])
+            and t["data_offsets"][0] <= t["data_offsets"][1]):
+        raise UserError(f"{path}: tensor {name[:100]!r} must be {{dtype: a name, shape: [counts], data_offsets: "
+                        f"[begin, end]}}, got {json.dumps(t)[:100]}")
+    return t["data_offsets"][0], t["data_offsets"][1], name
 
 
 def open_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -53,7 +76,7 @@ def open_safetensors(path: Path) -> dict[str, np.ndarray]:
             raise UserError(f"{path}: tensor {name} has unsupported dtype {t['dtype']} (supported: {', '.join(DTYPES)})")
         a, b = t["data_offsets"]
         dtype = np.dtype(DTYPES[t["dtype"]])
-        if (b - a) != int(np.prod(t["shape"], dtype=np.int64)) * dtype.itemsize:
+        if (b - a) != math.prod(t["shape"]) * dtype.itemsize:
             raise UserError(f"{path}: tensor {name} has {b - a} bytes, its shape {t['shape']} needs another size")
         arr = data[start + a:start + b].view(dtype).reshape(t["shape"])
         out[name] = BF16(arr) if t["dtype"] == "BF16" else arr

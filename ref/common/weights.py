@@ -36,13 +36,15 @@ class Weights:
         model_dir = Path(model_dir)
         found: dict[str, np.ndarray] = {}
         where: dict[str, Path] = {}
-        for f in checkpoint_files(model_dir):
+        files = checkpoint_files(model_dir)
+        for f in files:
             for name, t in open_safetensors(f).items():
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
                 if name in found:
                     raise UserError(f"{f}: tensor {name} also stored in {where[name]}")
                 found[name], where[name] = t, f
+        cfg.check_bytes(sum(f.stat().st_size for f in files), model_dir / "config.json")  # before any per-layer list
         found, where = renamed(cfg, found, where)
         predictors = carried_predictors(cfg, found, where, model_dir)
         shapes = expected_shapes(cfg)

@@ -1,0 +1,160 @@
+"""The checkpoint readers (safetensors folders and GGUF files) against damaged and crafted files: random truncation, bit
+flips and header fields of the wrong type or size. Each case either loads (a flip inside tensor data is still a
+checkpoint) or is refused with one UserError line naming the file; none raises anything else, and none grows the
+process by a gigabyte. Seeded: the same cases every run, a few hundred, in seconds."""
+
+import json
+import resource
+import struct
+
+import numpy as np
+import pytest
+
+from ref.common.checkpoint import load_checkpoint
+from ref.common.config import ModelConfig
+from ref.common.errors import UserError
+from ref.common.formats import FORMATS
+from ref.common.gguf_io import model_kv, write_gguf
+from ref.common.safetensors import upcast
+from ref.common.weights import Weights
+from tests.helpers import write_model
+
+pytest.importorskip("gguf")
+CASES = 150  # per reader and kind of damage
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def outcome(path, what: str) -> str:
+    """'loaded' or 'refused'; fails the test on any other exception or a message that is not one line naming path."""
+    try:
+        w = load_checkpoint(path)
+        for t in w.tensors.values():  # every tensor readable as values
+            upcast(t.T if hasattr(t, "T") and not isinstance(t, np.ndarray) else t)
+        return "loaded"
+    except UserError as e:
+        message = str(e)
+        assert "\n" not in message and str(path.name) in message and len(message) < 600, (what, message)
+        return "refused"
+    except Exception as e:  # noqa: BLE001: the point of the test
+        pytest.fail(f"{what}: {type(e).__name__}: {e}")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("fuzz") / "hf", {"intermediate_size": 128})  # whole q8_0 blocks
+
+
+@pytest.fixture(scope="module")
+def gguf_file(folder):
+    from fast.convert import plan
+    cfg = ModelConfig.from_hf(folder)
+    out = folder.parent / "m.gguf"
+    write_gguf(out, "gguf", "llama", model_kv(cfg, "llama", FORMATS["q8_0"], "fuzz"),
+               plan(Weights.load(folder, cfg), FORMATS["q8_0"], None))
+    return out
+
+
+def damaged(data: bytes, rng, kind: str, header: int) -> bytes:
+    """data truncated at a random length, or with 1 to 8 random bytes flipped (mostly in the first `header`
+    bytes, where a flip changes what the reader believes)."""
+    if kind == "truncate":
+        return data[:rng.integers(0, len(data))]
+    b = bytearray(data)
+    for _ in range(rng.integers(1, 9)):
+        i = rng.integers(0, header) if rng.random() < 0.8 else rng.integers(0, len(b))
+        b[i] ^= 1 << rng.integers(0, 8)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("kind", ["truncate", "flip"])
+def test_damaged_safetensors(folder, tmp_path, kind):
+    data = (folder / "model.safetensors").read_bytes()
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    rng, start, seen = np.random.default_rng(1 if kind == "truncate" else 2), peak_rss(), set()
+    for i in range(CASES):
+        (tmp_path / "model.safetensors").write_bytes(damaged(data, rng, kind, header))
+        seen.add(outcome(tmp_path, f"{kind} case {i}"))
+    assert "refused" in seen and peak_rss() - start < 1 << 30
+
+
+@pytest.mark.parametrize("kind", ["truncate", "flip"])
+def test_damaged_gguf(gguf_file, tmp_path, kind):
+    import gguf
+    data = gguf_file.read_bytes()
+    header = gguf.GGUFReader(gguf_file).data_offset
+    rng, start, seen = np.random.default_rng(3 if kind == "truncate" else 4), peak_rss(), set()
+    for i in range(CASES):
+        path = tmp_path / f"case{i}.gguf"
+        path.write_bytes(damaged(data, rng, kind, header))
+        seen.add(outcome(path, f"{kind} case {i}"))
+        path.unlink()
+    assert "refused" in seen and peak_rss() - start < 1 << 30
+
+
+def entry_cases():
+    """Header entries and config fields of the wrong type, size or range (each was a traceback or worse)."""
+    bad_entries = ["a string", {"dtype": "F16", "shape": [2, 2]}, {"dtype": "F16", "shape": [2, 2], "data_offsets": ["0", "8"]},
+                   {"dtype": "F16", "shape": [-2, 2], "data_offsets": [0, 8]}, {"dtype": 5, "shape": [2], "data_offsets": [0, 4]},
+                   {"dtype": "F16", "shape": [2**62, 2**62], "data_offsets": [0, 8]},
+                   {"dtype": "F16", "shape": [2], "data_offsets": [8, 4]}, {"dtype": "F16", "shape": [2], "data_offsets": [0, 2**60]}]
+    bad_config = [("num_hidden_layers", 10**9), ("num_hidden_layers", "2"), ("vocab_size", 2**40), ("rms_norm_eps", float("nan")),
+                  ("rms_norm_eps", float("inf")), ("rope_theta", "fast"), ("max_position_embeddings", 10**12),
+                  ("hidden_size", 0), ("num_attention_heads", 1.5), ("intermediate_size", -4)]
+    return [("entry", e) for e in bad_entries] + [("config", c) for c in bad_config]
+
+
+@pytest.mark.parametrize("what, bad", entry_cases())
+def test_crafted_folder_is_one_line(folder, tmp_path, what, bad):
+    data = (folder / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    config = json.loads((folder / "config.json").read_text())
+    if what == "entry":
+        header["model.norm.weight"] = bad
+    else:
+        config[bad[0]] = bad[1]
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    start = peak_rss()
+    assert outcome(tmp_path, f"{what} {bad}") == "refused"
+    assert peak_rss() - start < 1 << 30
+
+
+def test_overlapping_tensors_are_refused(folder, tmp_path):
+    """Two entries over the same bytes (a crafted file aliasing one tensor as another) are refused, in safetensors
+    and in GGUF."""
+    data = (folder / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    a, b = header["model.layers.0.input_layernorm.weight"], header["model.layers.1.input_layernorm.weight"]
+    b["data_offsets"] = a["data_offsets"]
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    with pytest.raises(UserError, match="overlap"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [("block_count", 10**9), ("context_length", 2**40), ("vocab_size", 2**31),
+                                        ("embedding_length", 2**30), ("feed_forward_length", 0)])
+def test_crafted_gguf_counts_are_refused_before_anything_is_built(gguf_file, tmp_path, key, value):
+    """Counts in the metadata that the file's bytes cannot hold: one line, no per-layer structure built first (a
+    17 MB file claiming 1e9 layers grew to 22 GB before)."""
+    import gguf
+    reader = gguf.GGUFReader(gguf_file)
+    field = reader.fields[f"llama.{key}"]
+    raw = bytearray(gguf_file.read_bytes())
+    at = field.data[0]
+    part = field.parts[at]
+    offset = int(part.ctypes.data - reader.data.ctypes.data)
+    struct.pack_into("<I" if part.dtype == np.uint32 else "<Q", raw, offset, min(value, 2**32 - 1))
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(bytes(raw))
+    start = peak_rss()
+    assert outcome(path, f"{key} {value}") == "refused"
+    assert peak_rss() - start < 1 << 30
