@@ -1,4 +1,4 @@
-"""GGUF files in and out, with llama.cpp's `gguf` package: llama.cpp's layout (magic GGUF) and PowerInfer's (magic
+"""GGUF files in and out (read by `Parser`, written with llama.cpp's `gguf` package): llama.cpp's layout (magic GGUF) and PowerInfer's (magic
 PWRI; per-layer predictors blk.N.fc1 / blk.N.fc2, the down matrix transposed as blk.N.ffn_down_t,
 `powerinfer.sparse_threshold`).
 
@@ -12,6 +12,7 @@ Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V v
 """
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -57,42 +58,135 @@ def rope_rows(n_heads: int, E: int, to_gguf: bool) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------- reading
 
-def _reader(path: Path):
-    """gguf's reader over the file; a PWRI file is read as the GGUF it is under another magic."""
-    import gguf
+SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+           12: "<f8"}  # GGUF's value types, but for 8 (string) and 9 (array)
+STRING, ARRAY = 8, 9
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
-    class Reader(gguf.GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            got = super()._get(offset, dtype, count, override_order)
-            if offset == 0 and count == 1 and self.data[:4].tobytes() == b"PWRI":
-                return np.array([gguf.GGUF_MAGIC], dtype=got.dtype)
-            return got
 
-    try:
-        return Reader(path)
-    except (ValueError, IndexError, TypeError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not a readable GGUF file, truncated or corrupt ({str(e).splitlines()[0][:100]})") from None
+@dataclass
+class TensorInfo:
+    """A tensor's entry in a GGUF file: name, GGML type, shape in GGML order (ne[0] first), where its bytes lie."""
+    name: str
+    tensor_type: int
+    shape: tuple[int, ...]
+    data_offset: int  # from the start of the file
+    n_bytes: int
+    file: np.ndarray  # the whole file, memory-mapped
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensor's bytes as a flat array: float32 or float16 values for F32 and F16, else raw bytes."""
+        raw = self.file[self.data_offset:self.data_offset + self.n_bytes]
+        return raw.view({0: np.float32, 1: np.float16}.get(self.tensor_type, np.uint8))
+
+
+class Parser:
+    """GGUF's header (magic, version, counts), its key-value section and its tensor entries, read from a memory map
+    with every length checked against the bytes left, so that a crafted count fails at once. Values come out as
+    Python values (strings decoded, arrays as lists), as gguf's `contents()` gives them, with one Python object per
+    element: gguf's own reader builds numpy views per element, gigabytes for a 16 MB file of empty strings."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = path, np.memmap(path, np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+        self.buf, self.pos = memoryview(self.file), 0
+
+    def fail(self, what: str):
+        raise UserError(f"{self.path}: not a readable GGUF file, truncated or corrupt ({what} at byte {self.pos})")
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            self.fail(f"{n} bytes wanted, {len(self.buf) - self.pos} left")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos]
+
+    def scalar(self, kind: int):
+        fmt = SCALARS[kind]
+        return np.frombuffer(self.take(np.dtype(fmt).itemsize), fmt)[0].item()
+
+    def string(self) -> str:
+        try:
+            return bytes(self.take(self.scalar(10))).decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail("a string that is not UTF-8")
+
+    def value(self, kind: int):
+        if kind in SCALARS:
+            return self.scalar(kind)
+        if kind == STRING:
+            return self.string()
+        if kind != ARRAY:
+            self.fail(f"value type {kind}")
+        inner, n = self.scalar(4), self.scalar(10)
+        if inner in SCALARS:
+            size = np.dtype(SCALARS[inner]).itemsize
+            return np.frombuffer(self.take(n * size), SCALARS[inner]).tolist()
+        if inner != STRING:
+            self.fail(f"an array of value type {inner}")  # arrays of arrays: no model's metadata has them
+        if n * 8 > len(self.buf) - self.pos:  # each string takes its 8-byte length at least
+            self.fail(f"an array of {n} strings")
+        return [self.string() for _ in range(n)]
+
+    def read(self) -> tuple[str, dict, list[TensorInfo]]:
+        """(kind, fields, tensors)."""
+        from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
+        kind = MAGICS.get(bytes(self.take(4)))
+        if kind is None:
+            raise UserError(f"{self.path}: not a GGUF file (no GGUF or PWRI magic)")
+        version, n_tensors, n_kv = self.scalar(4), self.scalar(10), self.scalar(10)
+        if version not in (2, 3):
+            self.fail(f"GGUF version {version}")
+        fields = {}
+        for _ in range(min(n_kv, len(self.buf))):  # a key-value takes a byte at least
+            key = self.string()
+            if key in fields:
+                self.fail(f"metadata key '{key[:80]}' twice")
+            fields[key] = self.value(self.scalar(4))
+        if len(fields) < n_kv:
+            self.fail(f"{n_kv} metadata keys")
+        infos = []
+        if n_tensors * 24 > len(self.buf) - self.pos:  # name length, dims, type and offset at least
+            self.fail(f"{n_tensors} tensors")
+        for _ in range(n_tensors):
+            name, dims = self.string(), self.scalar(4)
+            if dims > MAX_DIMS:
+                self.fail(f"tensor {name[:80]} with {dims} dimensions")
+            shape = tuple(self.scalar(10) for _ in range(dims))
+            ggml_type, offset = self.scalar(4), self.scalar(10)
+            if ggml_type not in GGML_QUANT_SIZES:
+                self.fail(f"tensor {name[:80]} of GGML type {ggml_type}")
+            block, size = GGML_QUANT_SIZES[ggml_type]
+            n = math.prod(shape)
+            if shape and shape[0] % block:
+                self.fail(f"tensor {name[:80]}: rows of {shape[0]} elements, not whole blocks of {block}")
+            infos.append((name, ggml_type, shape, offset, n // block * size))
+        align = fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            self.fail(f"general.alignment {align!r}")
+        start = -(-self.pos // align) * align
+        tensors = [TensorInfo(name, t, shape, start + offset, nbytes, self.file)
+                   for name, t, shape, offset, nbytes in infos]
+        return kind, fields, tensors
 
 
 class Metadata:
     """The key-value section of a GGUF file, with one-line errors naming the file and key."""
 
-    def __init__(self, path: Path, reader):
-        self.path, self.fields = path, reader.fields
+    def __init__(self, path: Path, fields: dict):
+        self.path, self.fields = path, fields
 
     def get(self, key: str, default=None):
-        f = self.fields.get(key)
-        return default if f is None else f.contents()
+        return self.fields.get(key, default)
 
     def need(self, key: str):
         if key not in self.fields:
             raise UserError(f"{self.path}: metadata key '{key}' is missing")
-        return self.get(key)
+        return self.fields[key]
 
 
 def gguf_metadata(path: str | Path) -> Metadata:
     path = Path(path)
-    return Metadata(path, _reader(path))
+    return Metadata(path, Parser(path).read()[1])
 
 
 def config_from_gguf(meta: Metadata, kind: str, tied: bool) -> ModelConfig:
@@ -150,14 +244,12 @@ class GGUFCheckpoint:
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
     """Config, weights by our names (exact tensor set and shapes checked), and embedded predictors of a GGUF file."""
     path = Path(path)
-    with open(path, "rb") as f:
-        kind = MAGICS.get(f.read(4))
-    if kind is None:
-        raise UserError(f"{path}: not a GGUF file (no GGUF or PWRI magic)")
-    reader = _reader(path)
-    meta = Metadata(path, reader)
-    found = {t.name: t for t in reader.tensors}
-    check_ranges(path, reader.tensors, path.stat().st_size)
+    kind, fields, infos = Parser(path).read()
+    meta = Metadata(path, fields)
+    found = {t.name: t for t in infos}
+    if len(found) < len(infos):
+        raise UserError(f"{path}: two tensors share a name")
+    check_ranges(path, infos, path.stat().st_size)
     cfg = config_from_gguf(meta, kind, tied="output.weight" not in found)
     cfg.check_bytes(path.stat().st_size, path)
     tensors, used = {}, set()
@@ -194,7 +286,8 @@ def check_ranges(path: Path, tensors, size: int) -> None:
         if a < end:
             raise UserError(f"{path}: tensors {last} and {t.name} overlap (bytes {a} to {end})")
         if b > size:
-            raise UserError(f"{path}: tensor {t.name} runs past the end of the file ({b} > {size} bytes)")
+            raise UserError(f"{path}: truncated or corrupt GGUF file: tensor {t.name} runs past its end ({b} > {size} "
+                            "bytes)")
         end, last = b, t.name
 
 

@@ -182,7 +182,7 @@ def test_unknown_tensor_type(files, tmp_path):
 def test_truncated_file(files, tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(files["q8_0"].read_bytes()[: files["q8_0"].stat().st_size // 2])
-    with pytest.raises(UserError, match="not a readable GGUF file, truncated or corrupt"):
+    with pytest.raises(UserError, match="truncated or corrupt"):
         read_gguf(cut)
 
 
