@@ -169,19 +169,49 @@ class Parser:
         return kind, fields, tensors
 
 
+# The types of the keys read (".x" for ARCH.x of any architecture): a value of another type is refused by its key.
+KEY_TYPES = {
+    "general.architecture": str, ".embedding_length": int, ".attention.head_count": int,
+    ".attention.head_count_kv": int, ".attention.key_length": int, ".rope.dimension_count": int,
+    ".feed_forward_length": int, ".block_count": int, ".context_length": int, ".vocab_size": int,
+    ".attention.layer_norm_rms_epsilon": float, ".rope.freq_base": float, ".rope.scaling.type": str,
+    ".rope.scaling.factor": float, "tokenizer.ggml.model": str, "tokenizer.ggml.tokens": [str],
+    "tokenizer.ggml.merges": [str], "tokenizer.ggml.scores": [float], "tokenizer.ggml.token_type": [int],
+    "tokenizer.ggml.bos_token_id": int, "tokenizer.ggml.eos_token_id": int, "tokenizer.ggml.unknown_token_id": int,
+    "tokenizer.huggingface.json": str, "tokenizer.chat_template": str, THRESHOLD_KEY: float, ACT_KEY: str,
+    ACT_PARAM_KEY: float}
+
+
+def of_type(v, kind) -> bool:
+    if isinstance(kind, list):
+        return isinstance(v, list) and all(of_type(x, kind[0]) for x in v)
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, kind) and (kind is bool or not isinstance(v, bool))
+
+
 class Metadata:
-    """The key-value section of a GGUF file, with one-line errors naming the file and key."""
+    """The key-value section of a GGUF file, each value read checked against KEY_TYPES, with one-line errors naming
+    the file and key."""
 
     def __init__(self, path: Path, fields: dict):
         self.path, self.fields = path, fields
 
     def get(self, key: str, default=None):
-        return self.fields.get(key, default)
+        if key not in self.fields:
+            return default
+        v = self.fields[key]
+        kind = KEY_TYPES.get(key) or KEY_TYPES.get("." + key.split(".", 1)[-1])
+        if kind is not None and not of_type(v, kind):
+            what = f"a list of {kind[0].__name__}" if isinstance(kind, list) else kind.__name__
+            raise UserError(f"{self.path}: metadata key '{key}' must be {what}, got {json.dumps(v)[:60]}"
+                            if not isinstance(v, list) else f"{self.path}: metadata key '{key}' must be {what}")
+        return v
 
     def need(self, key: str):
         if key not in self.fields:
             raise UserError(f"{self.path}: metadata key '{key}' is missing")
-        return self.fields[key]
+        return self.get(key)
 
 
 def gguf_metadata(path: str | Path) -> Metadata:
@@ -199,7 +229,7 @@ def config_from_gguf(meta: Metadata, kind: str, tied: bool) -> ModelConfig:
     raw = {
         "architectures": [GGUF_ARCHITECTURES[arch]], "hidden_size": D, "num_attention_heads": H,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", H),
-        "head_dim": meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", D // H)),
+        "head_dim": meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count")),
         "intermediate_size": meta.need(f"{arch}.feed_forward_length"),
         "num_hidden_layers": meta.need(f"{arch}.block_count"),
         "max_position_embeddings": meta.need(f"{arch}.context_length"),

@@ -92,13 +92,25 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
     eos_ids = () if eos is None else (int(eos),)
     hf_json = meta.get("tokenizer.huggingface.json")
     if hf_json is not None:
-        return Tokenizer(HFTokenizer.from_str(hf_json), bos, eos_ids)
+        try:
+            return Tokenizer(HFTokenizer.from_str(hf_json), bos, eos_ids)
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise UserError(f"{path}: tokenizer.huggingface.json is not a tokenizer ({str(e).splitlines()[0][:120]})"
+                            ) from None
     kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise UserError(f"{path}: no tokenizer (neither tokenizer.huggingface.json nor tokenizer.ggml.tokens)")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"):
+        if not 0 <= meta.get(key, 0) < len(tokens):
+            raise UserError(f"{path}: metadata key '{key}' is {meta.get(key)}, not a token id (of {len(tokens)})")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        if len(meta.get(key) or tokens) != len(tokens):
+            raise UserError(f"{path}: metadata key '{key}' has {len(meta.get(key))} entries for {len(tokens)} tokens")
     vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        if any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges):
+            raise UserError(f"{path}: metadata key 'tokenizer.ggml.merges' has an entry that is not two tokens")
         tok = HFTokenizer(models.BPE(vocab, merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

@@ -182,3 +182,81 @@ def test_a_file_of_a_million_empty_strings_stays_small(tmp_path):
         struct.pack_into("<Q", raw, at, 2_000_000)
         path.write_bytes(bytes(raw))
         gguf_metadata(path)
+
+
+def write_fields(path, fields: dict, tensors) -> None:
+    """A GGUF file of these metadata values (types from the Python values) and f32 tensors (name, GGML shape,
+    data)."""
+    import gguf
+    T = gguf.GGUFValueType
+    w = gguf.GGUFWriter(path, fields["general.architecture"] if isinstance(fields.get("general.architecture"), str)
+                        else "llama")
+    scalar = {str: T.STRING, bool: T.BOOL, float: T.FLOAT32}
+    for k, v in fields.items():
+        if k == "general.architecture":
+            continue
+        if isinstance(v, list):
+            sub = scalar.get(type(v[0]), T.INT32) if v else T.INT32
+            w.add_key_value(k, v, T.ARRAY, sub_type=sub)
+        elif type(v) in scalar:
+            w.add_key_value(k, v, scalar[type(v)])
+        else:
+            w.add_key_value(k, v, T.UINT32 if 0 <= v < 2**32 else T.INT64)
+    for name, shape, data in tensors:
+        w.add_tensor(name, np.asarray(data).reshape(shape[::-1]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(folder):
+    """The fuzz model as an f32 GGUF with a small SentencePiece tokenizer ('llama': tokens, scores, types)."""
+    from fast.convert import plan
+    from ref.common.gguf_io import Parser
+    cfg = ModelConfig.from_hf(folder)
+    out = folder.parent / "f32.gguf"
+    tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(cfg.vocab_size - 3)]
+    kv = model_kv(cfg, "llama", FORMATS["f32"], "fuzz") + [
+        ("add_tokenizer_model", "llama"), ("add_token_list", tokens), ("add_token_scores", [0.0] * len(tokens)),
+        ("add_token_types", [2, 3, 3] + [1] * (len(tokens) - 3)), ("add_bos_token_id", 1), ("add_eos_token_id", 2),
+        ("add_unk_token_id", 0), ("add_string", "tokenizer.chat_template", "{{ messages[0]['content'] }}")]
+    write_gguf(out, "gguf", "llama", kv, plan(Weights.load(folder, cfg), FORMATS["f32"], None))
+    _, fields, tensors = Parser(out).read()
+    return fields, [(t.name, t.shape, np.array(t.data)) for t in tensors]
+
+
+def wrong_values(v):
+    """Values of other types than v's (and, for ids and counts, out of range)."""
+    if isinstance(v, list):
+        return [7, "x", [1, 2] if v and isinstance(v[0], str) else ["a", "b"]]
+    if isinstance(v, str):
+        return [5, 1.5, ["a"]]
+    if isinstance(v, float):
+        return ["x", float("nan"), [1.0]]
+    return ["x", 1.5, [1], 2**40, 0]
+
+
+def field_cases():
+    from ref.common.gguf_io import KEY_TYPES
+    return sorted(k.lstrip(".") for k in KEY_TYPES)
+
+
+@pytest.mark.parametrize("key", field_cases())
+def test_gguf_fields_of_the_wrong_type(f32_gguf, tmp_path, key):
+    """Each metadata key read, given values of other types (or out of range): loading the checkpoint and its
+    tokenizer either works or says one line naming the file."""
+    from ref.common.tokenizer import load_tokenizer
+    fields, tensors = f32_gguf
+    key = next((k for k in fields if k == key or k.endswith("." + key) and k.startswith("llama.")), None)
+    if key is None:
+        pytest.skip("the fixture has no such key")
+    for i, bad in enumerate(wrong_values(fields[key])):
+        path = tmp_path / f"case{i}.gguf"
+        write_fields(path, {**fields, key: bad}, tensors)
+        outcome(path, f"{key} = {bad!r}")
+        try:
+            load_tokenizer(path)
+        except UserError as e:
+            assert "\n" not in str(e) and path.name in str(e), str(e)
