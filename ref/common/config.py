@@ -112,6 +112,12 @@ class ModelConfig:
         fields = PARSERS[family](read, arch)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # BOS is put in prompts, so it must be a token; an EOS beyond the vocabulary is never sampled: harmless
+        for key, ids, top in (("bos_token_id", [raw.get("bos_token_id")], fields["vocab_size"]),
+                              ("eos_token_id", eos_ids, MAX_INT + 1)):
+            if not all(i is None or isinstance(i, int) and not isinstance(i, bool) and 0 <= i < top for i in ids):
+                raise UserError(f"{source}: field '{key}' must be a token id (or a list of them) below {top}, got "
+                                f"{json.dumps(raw.get(key))[:60]}")
         cfg = ModelConfig(architecture=arch, family=family, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
                           torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), **fields)
         if cfg.n_heads % cfg.n_kv_heads:

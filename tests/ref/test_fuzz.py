@@ -103,7 +103,8 @@ def entry_cases():
                    {"dtype": "F16", "shape": [2], "data_offsets": [8, 4]}, {"dtype": "F16", "shape": [2], "data_offsets": [0, 2**60]}]
     bad_config = [("num_hidden_layers", 10**9), ("num_hidden_layers", "2"), ("vocab_size", 2**40), ("rms_norm_eps", float("nan")),
                   ("rms_norm_eps", float("inf")), ("rope_theta", "fast"), ("max_position_embeddings", 10**12),
-                  ("hidden_size", 0), ("num_attention_heads", 1.5), ("intermediate_size", -4)]
+                  ("hidden_size", 0), ("num_attention_heads", 1.5), ("intermediate_size", -4), ("bos_token_id", 10**6),
+                  ("eos_token_id", "x"), ("eos_token_id", [2, None, 3.5])]
     return [("entry", e) for e in bad_entries] + [("config", c) for c in bad_config]
 
 
