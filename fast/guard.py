@@ -9,6 +9,8 @@ holds memory and a connection for as long as the client likes.
 """
 
 import asyncio
+import ctypes
+import importlib.util
 import ipaddress
 import json
 import socket
@@ -16,7 +18,9 @@ import time
 from urllib.parse import urlsplit
 
 MAX_BODY = 8 << 20  # bytes: a 128k-token prompt is about 0.5 MB of text, 3 MB escaped as JSON \u sequences
+LARGE = 1 << 20  # bytes of input from which work takes turns and gives its memory back after (fast.serve)
 BODY_SECONDS = 60.0  # for the whole body to arrive once its headers have
+HEAD_SECONDS = 10.0  # for a request's headers to arrive, from the connection's start or its last response
 
 
 class BodyError(Exception):
@@ -25,6 +29,17 @@ class BodyError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
+
+
+LIBC = ctypes.CDLL(None)
+
+
+def give_back_memory() -> None:
+    """Return the heap's free pages to the system (glibc's malloc_trim; elsewhere nothing): glibc keeps what a
+    worker thread freed, and a request that parsed megabytes would leave the server that much larger."""
+    trim = getattr(LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def host_names(host: str, allow=()) -> frozenset:
@@ -76,7 +91,10 @@ class Guard:
             await send(start)
             await send({"type": "http.response.body", "body": body})
             return
-        await self.app(scope, self.bounded(receive), send)
+        read = self.bounded(receive)
+        await self.app(scope, read, send)
+        if read.got >= LARGE:  # its parsed copies are garbage now: their pages back to the system
+            await asyncio.to_thread(give_back_memory)
 
     def check(self, method: str, headers: dict) -> tuple[int, str] | None:
         host = headers.get("host")
@@ -99,10 +117,10 @@ class Guard:
     def bounded(self, receive):
         """receive() raising BodyError once the body passes max_body bytes or its deadline; after the body, as it
         is (a streaming response waits on it for the client's disconnect)."""
-        got, done, deadline = 0, False, time.monotonic() + self.body_seconds
+        done, deadline = False, time.monotonic() + self.body_seconds
 
         async def read():
-            nonlocal got, done
+            nonlocal done
             if done:
                 return await receive()
             try:
@@ -110,11 +128,44 @@ class Guard:
             except asyncio.TimeoutError:
                 raise BodyError(408, f"the request body did not arrive within {self.body_seconds:g} s") from None
             if message["type"] == "http.request":
-                got += len(message.get("body", b""))
-                if got > self.max_body:
+                read.got += len(message.get("body", b""))
+                if read.got > self.max_body:
                     raise BodyError(413, self.too_large())
                 done = not message.get("more_body", False)
             else:
                 done = True
             return message
+        read.got = 0  # body bytes so far
         return read
+
+
+def head_deadline(seconds: float = HEAD_SECONDS):
+    """uvicorn's HTTP protocol (httptools' where installed, as uvicorn picks it, else h11's) with a deadline for each
+    request's headers: a connection that has not sent a whole request head within `seconds` of opening, or of its
+    last response, is closed. uvicorn times only idle keep-alive connections, and a byte resets that: a client
+    sending its headers a byte a second (slowloris) held its connection for ever."""
+    if importlib.util.find_spec("httptools") is not None:  # uvicorn's own test for its faster protocol
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class HeadDeadline(Base):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.start_head_timer()
+
+        def start_head_timer(self) -> None:
+            cycle = self.cycle  # a new request replaces it once its headers are in
+            self.head_timer = self.loop.call_later(
+                seconds, lambda: self.cycle is cycle and not self.transport.is_closing() and self.transport.close())
+
+        def on_response_complete(self) -> None:
+            self.head_timer.cancel()
+            super().on_response_complete()
+            self.start_head_timer()
+
+        def connection_lost(self, exc) -> None:
+            self.head_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeadDeadline

@@ -6,7 +6,7 @@ they keep their pace), then pending prompt tokens up to `batch_size` in all (a l
 several steps, beside the running decodes). A request whose prompt is complete samples its next token from its run's
 logits with its own sampler and seed, so its text does not depend on what ran beside it. Text comes out through
 `TextStream` (whole UTF-8 characters, stop strings cut and never emitted) as events the HTTP layer reads:
-`("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message)`. A cancelled request (a
+`("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message, http_status)`. A cancelled request (a
 client that went away) leaves its slot at the next step.
 
 Dimensions: V vocab.
@@ -48,6 +48,10 @@ class Params:
 
 class QueueFull(Exception):
     """The bounded queue is full: the HTTP layer answers 503 with Retry-After."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining (`Scheduler.drain`): the HTTP layer answers 503."""
 
 
 class TextStream:
@@ -178,6 +182,7 @@ class Scheduler:
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self.loop = None  # an asyncio loop to deliver events on: one wake-up per step, not one per token
         self.outbox: list = []
+        self.deadline = None  # set by drain: when the requests still running are ended
 
     def start(self) -> "Scheduler":
         self.thread.start()
@@ -192,6 +197,8 @@ class Scheduler:
         """Queue a request (FIFO); QueueFull when `max_queue` requests wait already."""
         if not self.ready.is_set():
             raise UserError("the model is still loading")
+        if self.deadline is not None:
+            raise ShuttingDown()
         if len(request.prompt) >= self.ctx:
             raise UserError(f"the request exceeds the available context size: {len(request.prompt)} prompt tokens, "
                             f"context {self.ctx} per slot (-c/--ctx-size)")
@@ -212,6 +219,22 @@ class Scheduler:
     def stop(self) -> None:
         self.stopping.set()
         self.wake.set()
+
+    def drain(self, seconds: float) -> None:
+        """Take no new request; let those running and waiting go on for `seconds`, then end them: a running one with
+        its final event (finish_reason 'length', what it generated so far), a waiting one with a 503 error."""
+        self.deadline = time.monotonic() + seconds
+        self.wake.set()
+
+    def end_all(self) -> None:
+        for r in list(self.running):
+            self.finish(r, "length")
+        while True:
+            try:
+                r = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            self.send(r, ("error", "the server is shutting down", 503))
 
     # ---- the engine thread
 
@@ -246,6 +269,9 @@ class Scheduler:
             return
         self.ready.set()
         while not self.stopping.is_set():
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self.end_all()
+                self.flush()
             self.admit()
             if not self.running:
                 self.wake.wait(0.5)
@@ -389,7 +415,7 @@ class Scheduler:
         self.cache.free(r.slot)
         self.running.remove(r)
         if error is not None:
-            self.send(r, ("error", error))
+            self.send(r, ("error", error, 500))
             return
         if reason is None:
             return

@@ -13,9 +13,11 @@ from ref.common.errors import ctrl_c_quits_while_starting
 ctrl_c_quits_while_starting(__name__)
 
 import asyncio
+import contextlib
 import json
 import math
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -24,8 +26,8 @@ from pathlib import Path
 import click
 
 from fast.chat import ChatTemplate, TemplateError, model_template
-from fast.guard import MAX_BODY, BodyError, Guard, host_names
-from fast.scheduler import Params, QueueFull, Request, Scheduler
+from fast.guard import LARGE, MAX_BODY, BodyError, Guard, give_back_memory, head_deadline, host_names
+from fast.scheduler import Params, QueueFull, Request, Scheduler, ShuttingDown
 from ref.common.cli import FORMAT_CHOICE, resolve_model, user_errors
 from ref.common.errors import UserError
 from ref.common.sampling import REPEAT_LAST_N
@@ -230,12 +232,27 @@ def create_app(server: Server):
     async def body_error(_, e: BodyError):
         return error_response(ApiError(e.status, e.message))
 
-    async def json_response(obj: dict) -> Response:
+    heavy = asyncio.Semaphore(2)
+
+    async def off_loop(size: int, fn, *args, **kwargs):
+        """fn(*args, **kwargs) in a worker thread, so that the event loop answers others meanwhile. Work on inputs of a
+        megabyte or more takes turns, two at a time (tokenizing 7 MB of text peaks at 600 MB), and gives its memory
+        back to the system after (glibc keeps what a worker thread freed)."""
+        if size < LARGE:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        async with heavy:
+            try:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            finally:
+                await asyncio.to_thread(give_back_memory)
+
+    async def json_response(obj: dict, size: int) -> Response:
         """obj as a JSON response, serialized off the loop (a million token ids take a while)."""
-        return Response(await asyncio.to_thread(json.dumps, obj), media_type="application/json")
+        return Response(await off_loop(size, json.dumps, obj), media_type="application/json")
 
     async def json_body(request: HttpRequest) -> dict:
-        body = await asyncio.to_thread(parse_json, await request.body())  # off the loop: megabytes take a while
+        raw = await request.body()
+        body = await off_loop(len(raw), parse_json, raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if not isinstance(body.get("model", ""), str):  # any name is this server's model, as llama-server takes it
@@ -283,10 +300,10 @@ def create_app(server: Server):
         content = field(body, "content", str, None, what="a string")
         if content is None:
             raise ApiError(400, "'content' is required", param="content")
-        ids = await asyncio.to_thread(sched.tokenizer.encode, content)
+        ids = await off_loop(len(content), sched.tokenizer.encode, content)
         if not field(body, "add_special", bool, False) and sched.tokenizer.bos_id is not None and ids[:1] == [sched.tokenizer.bos_id]:
             ids = ids[1:]
-        return await json_response({"tokens": ids})
+        return await json_response({"tokens": ids}, 8 * len(ids))
 
     @app.post("/detokenize")
     async def detokenize(request: HttpRequest):
@@ -297,8 +314,8 @@ def create_app(server: Server):
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in ids):
             raise ApiError(400, f"'tokens' must be a list of token ids in [0, {V})", param="tokens")
         tok = sched.tokenizer.tok  # decode_batch lets the event loop run meanwhile, as decode does not
-        return await json_response({"content": (await asyncio.to_thread(tok.decode_batch, [ids],
-                                                                        skip_special_tokens=True))[0]})
+        text = (await off_loop(8 * len(ids), tok.decode_batch, [ids], skip_special_tokens=True))[0]
+        return await json_response({"content": text}, len(text))
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -316,7 +333,7 @@ def create_app(server: Server):
             raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
         params, stream = parse_params(body, chat=False)
         server.check_length(prompt, "prompt")
-        ids = await asyncio.to_thread(sched.tokenizer.encode, prompt)
+        ids = await off_loop(len(prompt), sched.tokenizer.encode, prompt)
         return await respond(request, ids, params, stream, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -327,12 +344,12 @@ def create_app(server: Server):
         messages = check_messages(body.get("messages"))
         params, stream = parse_params(body, chat=True)
         try:
-            text = await asyncio.to_thread(server.template.render, messages, tools=body.get("tools"),
-                                           add_generation_prompt=messages[-1]["role"] != "assistant")
+            text = await off_loop(sum(len(m["content"]) for m in messages), server.template.render, messages,
+                                  tools=body.get("tools"), add_generation_prompt=messages[-1]["role"] != "assistant")
         except TemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         server.check_length(text, "messages")
-        ids = await asyncio.to_thread(sched.tokenizer.encode, text)
+        ids = await off_loop(len(text), sched.tokenizer.encode, text)
         return await respond(request, ids, params, stream, chat=True)
 
     async def respond(request: HttpRequest, ids: list[int], params: Params, stream: bool, chat: bool):
@@ -344,6 +361,8 @@ def create_app(server: Server):
         except QueueFull:
             raise ApiError(503, f"the server is busy: {sched.slots} slots in use and {sched.max_queue} requests "
                            "waiting; retry later", "unavailable_error") from None
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down", "unavailable_error") from None
         except UserError as e:
             raise ApiError(400, str(e), param="prompt" if not chat else "messages") from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
@@ -362,7 +381,7 @@ def create_app(server: Server):
                 if ev[0] == "text":
                     pieces.append(ev[1])
                 elif ev[0] == "error":
-                    raise ApiError(500, ev[1], "server_error")
+                    raise ApiError(ev[2], ev[1], "server_error" if ev[2] == 500 else "unavailable_error")
                 else:
                     return shape.whole("".join(pieces), ev[1], ev[2])
         finally:
@@ -386,7 +405,8 @@ def create_app(server: Server):
                 if ev[0] == "text":
                     yield sse(shape.chunk({"content": ev[1]} if shape.chat else ev[1], None))
                 elif ev[0] == "error":
-                    yield sse({"error": {"code": 500, "message": ev[1], "type": "server_error"}})
+                    yield sse({"error": {"code": ev[2], "message": ev[1],
+                                         "type": "server_error" if ev[2] == 500 else "unavailable_error"}})
                     break
                 else:
                     yield sse(shape.chunk({} if shape.chat else "", ev[1], ev[2]))
@@ -522,9 +542,11 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
               help="Let pages of this origin (https://example.com) call the API from a browser (repeatable).")
 @click.option("--max-body", type=float, default=MAX_BODY / 2**20, show_default=True,
               help="Largest request body in MiB; larger ones get 413 before they are read.")
+@click.option("--shutdown-timeout", type=float, default=10.0, show_default=True,
+              help="On SIGINT or SIGTERM, seconds running requests may go on before they end with their final event.")
 @user_errors
 def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, threads, device, type_, dense,
-         predictors, vram_budget, alias, api_key, api_key_file, host_allow, cors, max_body):
+         predictors, vram_budget, alias, api_key, api_key_file, host_allow, cors, max_body, shutdown_timeout):
     """Serve MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) over OpenAI's HTTP API."""
     try:
         import uvicorn
@@ -536,6 +558,8 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
     api_key = read_api_key(api_key, api_key_file)
     if not max_body > 0:
         raise UserError(f"--max-body must be > 0 MiB, got {max_body:g}")
+    if not 0 <= shutdown_timeout <= 3600:
+        raise UserError(f"--shutdown-timeout must be in [0, 3600] seconds, got {shutdown_timeout:g}")
     if ctx_size < 0:
         raise UserError(f"-c/--ctx-size must be >= 0, got {ctx_size}")
     if not 0 < port < 65536:
@@ -552,8 +576,28 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
     scheduler = server.scheduler
     click.echo(f"loading {path} on the engine thread; serving http://{host}:{port} (/health is 503 until loaded)",
                err=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
-    http = uvicorn.Server(config)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=head_deadline(),
+                            timeout_graceful_shutdown=shutdown_timeout + 5)  # the requests end by shutdown_timeout
+
+    class Draining(uvicorn.Server):
+        """uvicorn's server, drained on SIGINT or SIGTERM: no new connection or request; those running finish, or
+        end at --shutdown-timeout with their final event; then main returns (uvicorn would raise the signal again
+        once done: a traceback for SIGINT, death by SIGTERM). A second Ctrl-C quits at once."""
+
+        async def shutdown(self, sockets=None):
+            scheduler.drain(shutdown_timeout)
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
+    http = Draining(config)
 
     async def serve():
         task = asyncio.create_task(http.serve())

@@ -6,13 +6,14 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import click
 
-from ref.common.errors import UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c
+from ref.common.errors import Terminated, UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c, terminate
 from ref.common.formats import FORMATS
 from ref.common.gguf_io import is_gguf
 from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate
@@ -167,12 +168,15 @@ def generate_session(engine, tok, gen: Generation, load_seconds: float, about: s
 
 
 def user_errors(f):
-    """Run a CLI body: a UserError becomes one line on stderr and exit 1; Ctrl-C exits 130; a reader that stops
-    reading (`| head`) ends the command, exit 0. No tracebacks."""
+    """Run a CLI body: a UserError becomes one line on stderr and exit 1; Ctrl-C exits 130, SIGTERM 143, each after
+    the body's cleanups (a half-written file removed); a reader that stops reading (`| head`) ends the command, exit
+    0. No tracebacks. (SIGKILL cannot be caught: it leaves what it finds.)"""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         if signal.getsignal(signal.SIGINT) is quit_on_ctrl_c:  # the body may hold files: a KeyboardInterrupt again
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, terminate)
         try:
             with lost_interrupts_raised():
                 return f(*args, **kwargs)
@@ -181,6 +185,9 @@ def user_errors(f):
             sys.exit(1)
         except KeyboardInterrupt:
             exit_interrupted()
+        except Terminated:
+            click.echo("terminated", err=True)
+            sys.exit(143)
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
             sys.exit(0)
@@ -217,6 +224,8 @@ def output_file(path: Path, force: bool, flag: str = "-o/--output") -> Path:
     any work, so that a long run never ends in an error or silently replaces a shipped artifact)."""
     if not path.parent.is_dir():
         raise UserError(f"{flag} {path}: folder {path.parent} does not exist")
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: a folder; name the file to write")
     if path.exists() and not force:
         raise UserError(f"{flag} {path} exists: pass --force to replace it")
     return path

@@ -14,6 +14,14 @@ class UserError(ValueError):
     """Bad input from the user (a file, a flag): the CLIs print the message alone and exit 1."""
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is (`terminate`), so that its cleanups run as for a Ctrl-C."""
+
+
+def terminate(signum=None, frame=None):
+    raise Terminated()
+
+
 _program = False  # set by ctrl_c_quits_while_starting: this process runs a CLI as its program
 
 

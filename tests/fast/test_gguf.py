@@ -259,6 +259,28 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("sig, code, last", [("SIGTERM", 143, "terminated"), ("SIGINT", 130, "interrupted")])
+def test_a_signalled_conversion_leaves_nothing(tmp_path, sig, code, last):
+    """SIGTERM or Ctrl-C while the file is written: its temporary file removed, no OUT, one line (SIGKILL cannot
+    be caught: it leaves the .part file)."""
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "fast.convert", str(SHIPPED), "-o", str(tmp_path / "x.gguf"),
+                          "--type", "q4_0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("*.part")) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    p.send_signal(getattr(signal, sig))
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == code and err.strip().splitlines()[-1] == last and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_to_a_folder_is_one_line(tmp_path):
+    r = convert(SHIPPED, "-o", tmp_path, "--force")
+    assert r.returncode == 1 and "a folder; name the file to write" in r.stderr and r.stderr.count("\n") == 1
+
+
 def test_sentencepiece_tokenizer_from_llama_cpp_metadata(tmp_path):
     """tokenizer.ggml.model 'llama': pieces merge by score (higher first), '▁' marks a space, <0xNN> bytes cover
     what the vocabulary lacks."""

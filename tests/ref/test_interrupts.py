@@ -33,6 +33,11 @@ def main():
             signal.raise_signal(signal.SIGINT)
         finally:
             print("cleaned up")
+    elif sys.argv[1] == "term":  # SIGTERM too: the cleanups run, then exit 143
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        finally:
+            print("cleaned up")
     else:
         thing = Thing()
         keep = weakref.ref(thing, lost)
@@ -51,3 +56,10 @@ def test_ctrl_c_is_exit_130_wherever_it_lands(tmp_path, where, out):
     r = subprocess.run([sys.executable, "-m", "command", where], cwd=tmp_path, capture_output=True, text=True,
                        env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": ""}, timeout=60)
     assert (r.returncode, r.stdout, r.stderr) == (130, out, "\ninterrupted\n")
+
+
+def test_sigterm_runs_the_cleanups_and_exits_143(tmp_path):
+    (tmp_path / "command.py").write_text(COMMAND)
+    r = subprocess.run([sys.executable, "-m", "command", "term"], cwd=tmp_path, capture_output=True, text=True,
+                       env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": ""}, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (143, "cleaned up\n", "terminated\n")
