@@ -34,6 +34,7 @@ from ref.common.sampling import REPEAT_LAST_N
 
 PAGE = Path(__file__).with_name("chat.html")
 MAX_LOGPROBS = 20
+SMALL = 1 << 11  # bytes of input parsed or tokenized on the event loop itself: under a millisecond
 MAX_STOP = 16, 1000  # stop strings, characters each: every token checks each one's tail
 INT32 = 2**31 - 1  # what the kernels' and samplers' integer fields hold
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; what chat templates are written for
@@ -235,9 +236,12 @@ def create_app(server: Server):
     heavy = asyncio.Semaphore(2)
 
     async def off_loop(size: int, fn, *args, **kwargs):
-        """fn(*args, **kwargs) in a worker thread, so that the event loop answers others meanwhile. Work on inputs of a
+        """fn(*args, **kwargs) in a worker thread, so that the event loop answers others meanwhile; on the loop for
+        an input under SMALL bytes (done in less time than a thread takes to start on it). Work on inputs of a
         megabyte or more takes turns, two at a time (tokenizing 7 MB of text peaks at 600 MB), and gives its memory
         back to the system after (glibc keeps what a worker thread freed)."""
+        if size < SMALL:
+            return fn(*args, **kwargs)
         if size < LARGE:
             return await asyncio.to_thread(fn, *args, **kwargs)
         async with heavy:
