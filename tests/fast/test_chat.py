@@ -1,0 +1,44 @@
+"""Chat templates: rendered in transformers' sandbox, with what a model's template may make bounded."""
+
+import json
+
+import pytest
+
+pytest.importorskip("jinja2")
+from fast.chat import MAX_TEXT, ChatTemplate, TemplateError, model_template  # noqa: E402
+from ref.common.errors import UserError  # noqa: E402
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("source, want", [
+    (None, "User: hi\nAssistant:"),
+    ("{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ [1] * 2 }}{{ 1.5 * 2 }}", "ababab1024[1, 1]3.0"),  # ordinary arithmetic
+    ("{% for m in messages %}{{ m['role'] | upper }}{% endfor %}{{ messages | tojson }}",
+     'USER[{"role": "user", "content": "hi"}]'),
+])
+def test_renders(source, want):
+    assert ChatTemplate(source).render(HI) == want
+
+
+@pytest.mark.parametrize("source", ["{{ 'a' * 400000000 }}", "{{ 400000000 * 'a' }}", "{{ [0] * (2 ** 30) }}",
+                                    "{{ 10 ** 100000 }}"])
+def test_what_a_template_may_make_is_bounded(source):
+    """Repetitions past MAX_TEXT items and powers past 4096 bits are refused (they took 1.8 GB and seconds)."""
+    with pytest.raises(TemplateError):
+        ChatTemplate(source).render(HI)
+    assert MAX_TEXT < 400_000_000
+
+
+def test_a_template_that_does_not_compile_is_one_line():
+    with pytest.raises(UserError, match="chat template: "):
+        ChatTemplate("{% for m in messages %}")
+
+
+@pytest.mark.parametrize("text, message", [("[1, 2]", "not a JSON object"), ("{", "not valid JSON")])
+def test_a_bad_tokenizer_config_is_one_line(tmp_path, text, message):
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    with pytest.raises(UserError, match=message):
+        model_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x"}))
+    assert model_template(tmp_path) == "x"
