@@ -12,6 +12,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     # hand-over waited for the interpreter's switch interval (5 ms): a family's 2-token GPU run took 36 s, 4.7 s at
     # 0.1 ms.
     sys.setswitchinterval(1e-4)
+    from tests.simulator import lock_shared_arrays
+    lock_shared_arrays()
 
 import pytest  # noqa: E402
 

@@ -31,3 +31,30 @@ def test_16_bit_decode_is_exact_for_every_pattern(fmt):
     q, d = bits[finite].reshape(1, -1), np.zeros((1, 1), np.float32)
     got = np.array([gpu.elem(q, d, gpu.KINDS[fmt], 0, k) for k in range(q.shape[1])], np.float32)
     assert np.array_equal(got.view(np.uint32), want[finite].view(np.uint32))
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the simulator's allocation of shared arrays")
+def test_a_blocks_threads_share_one_shared_array(monkeypatch):
+    """tests.simulator's lock: eight threads asking for the same shared array while each is switched out inside the
+    allocation (a 2 ms sleep there) all get one array; the simulator's own code gave each its own (the GPU golden
+    test's rare failure)."""
+    import threading
+    import time
+
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+
+    import tests.simulator as sim
+    assert kernelapi.FakeCUDAShared.array.__module__ == "tests.simulator"  # installed by tests/conftest.py
+    real = np.empty
+    monkeypatch.setattr(sim, "np", type("slow", (), {"empty": staticmethod(lambda *a: (time.sleep(0.002), real(*a))[1])}))
+    shared, got = kernelapi.FakeCUDAShared(0), []
+
+    def ask():
+        got.append(shared.array(4, np.float32))
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(a is got[0] for a in got)
