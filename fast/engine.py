@@ -52,6 +52,7 @@ GEMM_SHARE = 0.25
 
 
 EMPTY = np.zeros(0, F32)  # an absent norm or bias, as the kernels take it (fast.cpu.norm, add_bias)
+NO_NORMS = np.zeros((0, 0), F32)  # cpu.qk_norm's norms where the family has none
 NO_PICKS = np.zeros((0, 0), np.uint8)  # cpu.ffn_batch_block's sets by the predictor's threshold
 NO_SETS, NO_BOUNDS = np.zeros(0, np.int32), np.zeros(0, np.int64)  # cpu.decode_step's given sets: none
 
@@ -81,6 +82,7 @@ class Layer:
     bu: np.ndarray = field(default_factory=lambda: EMPTY)  # [F] the up rows' bias (non-gated)
     bd: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] the down matrix's bias
     gate_up: np.ndarray | None = None  # [2F, D] the gate rows, then the up rows, as one matmul (dense_ffn)
+    qk_norms: np.ndarray = field(default_factory=lambda: NO_NORMS)  # [2, E] each head's q and k norm (Qwen3)
 
 
 def as_format(t, fmt: Format) -> np.ndarray:
@@ -122,14 +124,16 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
     for i, name in enumerate(rows):
         bundle[:, i] = mat(name)
     bundle[:, -1] = as_format(w[p + "wd"].T, fmt)
+    qk_norms = np.stack([vec("q_norm"), vec("k_norm")]) if c.qk_norm else NO_NORMS
     return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt), vec("ffn_norm"), for_sparse(bundle),
-                 vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"))
+                 vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"),
+                 qk_norms=qk_norms)
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [P, E/2] for every position, computed in float64 as ref.model.rope does; a family without RoPE
     rotates by 0 (cos 1, sin 0), so that one attention kernel serves all."""
-    ang = rope_angles(np.arange(cfg.max_seq_len), cfg.head_dim, cfg.rope_theta)  # [P, E/2]
+    ang = rope_angles(np.arange(cfg.max_seq_len), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [P, E/2]
     if cfg.positions != "rope":
         ang = np.zeros_like(ang)
     return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
@@ -294,18 +298,19 @@ class Engine(Decoder):
         k = kernels(T, h.shape[1])
         if len(runs) == 1 and k is cpu:
             seq = runs[0][0]
-            cpu.attention_block(out, h, w, b, L.wqkv, L.bqkv, L.wo, L.bo, cache.k[l][seq], cache.v[l][seq], self.cos,
-                                self.sin, batch.positions[0], eps)
+            cpu.attention_block(out, h, w, b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, cache.k[l][seq], cache.v[l][seq],
+                                self.cos, self.sin, batch.positions[0], eps)
             return out
         decoding = len(runs) == T  # one new token per sequence: their attention in one call
         if decoding and k is cpu:
             k_caches, v_caches = self.slot_lists(cache)[l]
-            cpu.decode_attention_block(out, h, w, b, L.wqkv, L.bqkv, L.wo, L.bo, k_caches, v_caches, batch.seqs,
-                                       batch.positions, self.cos, self.sin, eps)
+            cpu.decode_attention_block(out, h, w, b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, k_caches, v_caches,
+                                       batch.seqs, batch.positions, self.cos, self.sin, eps)
             return out
         c = self.config
         qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
         k.qkv_proj(qkv, h, w, b, L.wqkv, L.bqkv, eps)
+        cpu.qk_norm(qkv, L.qk_norms, c.n_kv_heads, eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
         if decoding:
             k_caches, v_caches = self.slot_lists(cache)[l]
@@ -422,7 +427,7 @@ class Engine(Decoder):
             for l, L in enumerate(self.layers):
                 post = (L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
                 parts.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
-                              L.wo, L.bo, L.bundle, L.bu, L.bd,
+                              L.qk_norms, L.wo, L.bo, L.bundle, L.bu, L.bd,
                               *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
             self._step = (sel, parts)
         return self._step[1]

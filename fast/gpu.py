@@ -371,7 +371,8 @@ def predictor(out, hidden, h, fc1, fc2):
     matmul(out, hidden, fc2)
 
 
-def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_cache, v_cache, cos, sin, pos0, eps):
+def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_cache, v_cache, cos, sin, pos0,
+                    eps):
     """Same contract as fast.cpu.attention_block. The projections read row blocks of wqkv into contiguous buffers
     (v straight into its cache rows), since a device array's column slices cannot be reshaped."""
     T, D = h.shape
@@ -389,6 +390,9 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_cache,
         add_bias(q, bqkv[: H * E])
         add_bias(k, bqkv[H * E:(H + K) * E])
         add_bias(v, bqkv[(H + K) * E:])
+    if qk_norms.shape[0]:  # each head's q and k RMS-normed (fast.cpu.qk_norm)
+        rmsnorm(q.reshape(T * H, E), q.reshape(T * H, E), qk_norms[0], eps)
+        rmsnorm(k.reshape(T * K, E), k.reshape(T * K, E), qk_norms[1], eps)
     q3 = q.reshape(T, H, E)
     rope(q3, q3, cos, sin, pos0)
     rope(k_cache[pos0:pos0 + T], k.reshape(T, K, E), cos, sin, pos0)

@@ -31,7 +31,8 @@ F32 = np.float32
 class GpuLayer:
     """What layer l keeps on the GPU; a part left None runs on the CPU."""
 
-    attention: tuple | None  # device (norm w, b [D] or [0], wqkv [(H + 2K) E, D], bqkv, wo [D, H E], bo): gpu.attention_block's
+    attention: tuple | None  # device (norm w, b [D] or [0], wqkv [(H + 2K) E, D], bqkv, qk_norms, wo [D, H E], bo):
+    # gpu.attention_block's
     predictor: tuple | None  # device (fc1 [R, D], fc2 [F, R]) as gpu.Weight
     ffn_norm: tuple  # device (w, b): the norm before the FFN (fast.engine.Engine.norm_weights)
     bundle: object  # device gpu.Weight, rows [P max(G, 1), D]: the layer's hot neurons in gpu_neurons order
@@ -96,7 +97,7 @@ class HybridEngine(Decoder):
         if f"attention.{l}" in self.dense_on_gpu:
             w, b = self.host.norm_weights(L, ATTN_NORM)
             attention = (cuda.to_device(w), cuda.to_device(b), gpu.weight(L.wqkv).to_device(), cuda.to_device(L.bqkv),
-                         gpu.weight(L.wo).to_device(), cuda.to_device(L.bo))
+                         cuda.to_device(L.qk_norms), gpu.weight(L.wo).to_device(), cuda.to_device(L.bo))
         if sel.predicts and f"predictor.{l}" in self.dense_on_gpu:
             predictor = (gpu.weight(sel.fc1[l]).to_device(), gpu.weight(sel.fc2[l]).to_device())
         slot = np.full(c.d_ffn, -1, np.int32)

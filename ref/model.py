@@ -1,8 +1,9 @@
 """The dense reference model in plain NumPy: the semantics every engine is checked against.
 
 A model is its family's block applied layer after layer to the residual stream; each family is a small `Model`
-subclass registered in FAMILIES. LLaMA (LLaMA, Mistral, ReluLLaMA, ProSparse, Bamboo): pre-norm RMSNorm blocks, RoPE,
-GQA attention, a gated FFN, no biases. OPT: LayerNorm, learned positions, biases, a non-gated ReLU FFN, pre-norm or
+subclass registered in FAMILIES. LLaMA (LLaMA 1 to 3, Mistral, Qwen2 and 3, ReluLLaMA, ProSparse, Bamboo): pre-norm
+RMSNorm blocks, RoPE (scaled as Llama-3's where the config says), GQA attention (Qwen2: q/k/v biases; Qwen3: each
+head's q and k RMS-normed), a gated FFN. OPT: LayerNorm, learned positions, biases, a non-gated ReLU FFN, pre-norm or
 (350m) post-norm. Falcon: LayerNorm, RoPE, one fused q/k/v matrix, attention and FFN side by side from the same input.
 A non-gated FFN act(Wu x + bu) is the gated one a(g, u) with g = Wu x + bu and u = 1, so one activation table
 serves both.
@@ -37,16 +38,31 @@ def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nda
     return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps) * w + b
 
 
-def rope_angles(pos: np.ndarray, E: int, theta: float) -> np.ndarray:
-    """pos * theta^(-2i/E) in float64.  pos: [T] -> [T, E/2]."""
-    inv_freq = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)  # [E/2]
-    return np.asarray(pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+def rope_frequencies(E: int, theta: float, scaling: tuple = ()) -> np.ndarray:
+    """f_i = theta^(-2i/E) in float64, scaled as transformers' rope_init_functions do: 'linear' f / factor;
+    'llama3' f / factor for wavelengths 2 pi / f above original / low, f below original / high, and between them
+    (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low).  -> [E/2]."""
+    f = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)  # [E/2]
+    if not scaling:
+        return f
+    if scaling[0] == "linear":
+        return f / scaling[1]
+    _, factor, low, high, original = scaling  # llama3
+    wavelength = 2 * np.pi / f
+    s = (original / wavelength - low) / (high - low)
+    mid = (1 - s) * f / factor + s * f
+    return np.where(wavelength > original / low, f / factor, np.where(wavelength < original / high, f, mid))
 
 
-def rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+def rope_angles(pos: np.ndarray, E: int, theta: float, scaling: tuple = ()) -> np.ndarray:
+    """pos * f_i (rope_frequencies) in float64.  pos: [T] -> [T, E/2]."""
+    return np.asarray(pos, dtype=np.float64)[:, None] * rope_frequencies(E, theta, scaling)[None, :]
+
+
+def rope(x: np.ndarray, pos: np.ndarray, theta: float, scaling: tuple = ()) -> np.ndarray:
     """Rotary embedding, HF rotate-half convention: x*cos + rotate_half(x)*sin.  x: [T, h, E], pos: [T]."""
     E = x.shape[-1]
-    ang = rope_angles(pos, E, theta)  # [T, E/2]
+    ang = rope_angles(pos, E, theta, scaling)  # [T, E/2]
     cos = np.concatenate([np.cos(ang), np.cos(ang)], -1)[:, None, :].astype(x.dtype)  # [T, 1, E]
     sin = np.concatenate([np.sin(ang), np.sin(ang)], -1)[:, None, :].astype(x.dtype)
     rotated = np.concatenate([-x[..., E // 2:], x[..., : E // 2]], -1)  # rotate_half
@@ -187,11 +203,14 @@ class Model:
         return self.linear(x, "embed" if c.tie_word_embeddings else "lm_head")  # [T, V]
 
     def qkv(self, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Queries [T, H, E], keys and values [T, K, E] of the normed input x [T, D]."""
+        """Queries [T, H, E], keys and values [T, K, E] of the normed input x [T, D] (each head's q and k RMS-normed
+        where the config says: Qwen3)."""
         c, p, T = self.config, f"layers.{l}.", x.shape[0]
-        return (self.linear(x, p + "wq").reshape(T, c.n_heads, c.head_dim),
-                self.linear(x, p + "wk").reshape(T, c.n_kv_heads, c.head_dim),
-                self.linear(x, p + "wv").reshape(T, c.n_kv_heads, c.head_dim))
+        q = self.linear(x, p + "wq").reshape(T, c.n_heads, c.head_dim)
+        k = self.linear(x, p + "wk").reshape(T, c.n_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = rmsnorm(q, self.w(p + "q_norm"), c.norm_eps), rmsnorm(k, self.w(p + "k_norm"), c.norm_eps)
+        return q, k, self.linear(x, p + "wv").reshape(T, c.n_kv_heads, c.head_dim)
 
     def attention_block(self, l: int, x: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
         """Self-attention of the block's input x [T, D] (RoPE where the config has it), each sequence's run attending
@@ -199,7 +218,7 @@ class Model:
         c, T = self.config, x.shape[0]
         q, k, v = self.qkv(l, x)  # [T, H, E], [T, K, E], [T, K, E]
         if c.positions == "rope":
-            q, k = rope(q, batch.positions, c.rope_theta), rope(k, batch.positions, c.rope_theta)
+            q, k = (rope(a, batch.positions, c.rope_theta, c.rope_scaling) for a in (q, k))
         att = np.empty_like(q)  # [T, H, E]
         for seq, a, b in batch.runs():
             s0, s1 = batch.positions[a], batch.positions[a] + b - a

@@ -1,4 +1,5 @@
-"""Write the tiny test checkpoints of the other families (OPT, Falcon), one per variant, with golden logits.
+"""Write the tiny test checkpoints of the other families and LLaMA's variants (OPT, Falcon; Llama-3's RoPE scaling,
+Mistral's window, Qwen2, Qwen3), one per variant, with golden logits.
 
 Each is a randomly initialised transformers model saved exactly as transformers saves it (`save_pretrained`:
 config.json, generation_config.json, model.safetensors), the shipped model's tokenizer beside it, and
@@ -37,6 +38,19 @@ VARIANTS = {
                                                 activation="relu")),
     "falcon-interleaved": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True, ffn_hidden_size=128,
                                                 activation="relu")),
+    # Llama-3's RoPE: with head_dim 8 and theta 100 the wavelengths are 6.3, 20, 63 and 199 positions, so that an
+    # original context of 32 with factors 4 (high) and 1 (low) keeps one frequency, smooths one and divides two
+    "llama3-rope": ("LlamaConfig", dict(intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 32})),
+    "llama-linear-rope": ("LlamaConfig", dict(intermediate_size=128, num_key_value_heads=2,
+                                              rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                               "factor": 4.0})),
+    "mistral-window": ("MistralConfig", dict(intermediate_size=128, num_key_value_heads=2, sliding_window=32)),
+    "qwen2": ("Qwen2Config", dict(intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3": ("Qwen3Config", dict(intermediate_size=128, num_key_value_heads=2, head_dim=16)),
 }
 
 
@@ -82,7 +96,7 @@ def make(name: str, out: Path, seed: int) -> None:
               help="Only these variants [default: all].")
 @click.option("--seed", default=0, show_default=True)
 def main(out_dir: Path, variants, seed: int) -> None:
-    """Write the tiny OPT and Falcon test checkpoints with golden logits."""
+    """Write the tiny test checkpoints with golden logits."""
     for name in variants or VARIANTS:
         make(name, out_dir / name, seed)
         click.echo(f"{out_dir / name}: written")

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "data" / "tiny-relu-llama"
 # The tiny OPT and Falcon checkpoints (scripts/make_family_models.py), one per variant, with golden logits.
 FAMILIES = ROOT / "tests" / "families"
-VARIANTS = ["opt-pre-ln", "opt-post-ln", "falcon-gqa", "falcon-multi-query", "falcon-interleaved"]
+VARIANTS = ["opt-pre-ln", "opt-post-ln", "falcon-gqa", "falcon-multi-query", "falcon-interleaved"]  # ReLU FFNs
+# LLaMA-family variants (SwiGLU: dense only): Llama-3's and linear RoPE scaling, Mistral's window, Qwen2, Qwen3
+DENSE_VARIANTS = ["llama3-rope", "llama-linear-rope", "mistral-window", "qwen2", "qwen3"]
 HAS_GPU = os.path.exists("/dev/nvidiactl")  # decided before numba is imported (tests/conftest.py)
 
 SMALL_CONFIG = {

@@ -29,7 +29,7 @@ kernel_cache.install()  # before any kernel is defined: numba picks a function's
 
 from fast.cpu.attention import (KV_AHEAD, attend, attention, attention_block, causal_logits,  # noqa: E402
                                 decode_attention, decode_attention_block, decode_attention_token, exp_le0,
-                                normalize_rows, qkv_proj, self_attention)
+                                normalize_rows, qk_norm, qkv_proj, self_attention)
 from fast.cpu.base import (BLOCKS, FASTMATH, KINDS, activation, activation_py, add_bias, copy_rows, embed,  # noqa: E402
                            layernorm, norm, prefetch, prefetch_row, prefetch_rows, read_bandwidth_probe, rmsnorm,
                            rope, sum_chunks)
@@ -45,5 +45,5 @@ __all__ = ["BLOCKS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "TILE_SHA
            "dense_ffn_block", "embed", "exp_le0", "ffn_batch_block", "ffn_block", "ffn_neurons", "gather_values",
            "layernorm", "masked_activation", "matmul", "norm", "normalize_rows", "predicted_set", "predictor",
            "prefetch", "prefetch_row", "prefetch_rows", "qkv_proj", "read_bandwidth_probe", "relu_", "rmsnorm",
-           "rope", "round_q8_0", "self_attention", "sparse_ffn", "sparse_ffn_batch", "sparse_ffn_batch_chunk",
+           "qk_norm", "rope", "round_q8_0", "self_attention", "sparse_ffn", "sparse_ffn_batch", "sparse_ffn_batch_chunk",
            "sparse_ffn_chunk", "sum_chunks", "union_mask"]

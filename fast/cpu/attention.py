@@ -154,11 +154,12 @@ def normalize_rows(p):
 
 
 @njit(cache=True, nogil=True)
-def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_cache, v_cache, cos, sin, pos0, eps):
-    """out = wo . attention(rope(q), rope(k), v) + bo, [q; k; v] = wqkv . norm(h) + bqkv, for one sequence's run;
-    this step's keys and values are written to its caches at pos0..pos0+T-1.  out, h: [T, D];
-    wqkv: [(H + 2K) E, D]; wo: [D, H E]; k_cache, v_cache: [room, K, E]; norm and biases as `norm`, `add_bias` take
-    them.
+def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_cache, v_cache, cos, sin, pos0,
+                    eps):
+    """out = wo . attention(rope(q), rope(k), v) + bo, [q; k; v] = wqkv . norm(h) + bqkv (each head's q and k
+    RMS-normed where qk_norms has rows: qk_norm), for one sequence's run; this step's keys and values are written to
+    its caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D]; wo: [D, H E]; k_cache, v_cache:
+    [room, K, E]; norm and biases as `norm`, `add_bias` take them.
 
     One compiled call per layer instead of six calls from Python and the numpy glue between them: once a token's
     weights have streamed through the caches, every Python-side step runs from memory (an empty parallel kernel
@@ -167,6 +168,7 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_cache,
     K, E = k_cache.shape[1], k_cache.shape[2]
     qkv = np.empty((T, n_rows(wqkv)), np.float32)
     qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
+    qk_norm(qkv, qk_norms, K, eps)
     att = np.empty((T, qkv.shape[1] - 2 * K * E), np.float32)  # [T, H E]
     self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0)
     matmul(out, att, wo)
@@ -180,6 +182,25 @@ def qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps):
     norm(x, h, attn_norm, attn_norm_b, eps)
     matmul(qkv, x, wqkv)
     add_bias(qkv, bqkv)
+
+
+@njit(cache=True, nogil=True)
+def qk_norm(qkv, norms, K, eps):
+    """Each head's q and k in the rows qkv [T, (H + 2K) E] RMS-normed in place, q's with norms[0] and k's with
+    norms[1] (Qwen3's q_norm and k_norm, ref.model's qkv), where norms has rows.  norms: [2, E] or [0, 0]."""
+    if norms.shape[0] == 0:
+        return
+    E = norms.shape[1]
+    H = qkv.shape[1] // E - 2 * K
+    for t in range(qkv.shape[0]):
+        for head in range(H + K):
+            w, x = norms[0 if head < H else 1], qkv[t, head * E:(head + 1) * E]
+            ss = np.float32(0.0)
+            for i in range(E):
+                ss += x[i] * x[i]
+            r = np.float32(1.0) / np.sqrt(ss / np.float32(E) + eps)
+            for i in range(E):
+                x[i] = x[i] * r * w[i]
 
 
 @njit(cache=True, nogil=True)
@@ -237,8 +258,8 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
 
 
 @njit(cache=True, nogil=True)
-def decode_attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k_caches, v_caches, seqs, positions, cos,
-                           sin, eps):
+def decode_attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_caches, v_caches, seqs,
+                           positions, cos, sin, eps):
     """attention_block for T sequences' one new token each (decode_attention), as one compiled call: token t of
     sequence seqs[t] at positions[t].  out, h: [T, D]; k_caches, v_caches: typed lists of every slot's [room, K, E].
 
@@ -248,6 +269,7 @@ def decode_attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, wo, bo, k
     K, E = k_caches[seqs[0]].shape[1], k_caches[seqs[0]].shape[2]
     qkv = np.empty((T, n_rows(wqkv)), np.float32)  # [T, (H + 2K) E]
     qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
+    qk_norm(qkv, qk_norms, K, eps)
     att = np.empty((T, qkv.shape[1] - 2 * K * E), np.float32)  # [T, H E]
     decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin)
     matmul(out, att, wo)

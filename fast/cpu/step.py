@@ -17,7 +17,8 @@ from fast.cpu.ffn import ffn_batch_block, ffn_block, predicted_set, predictor
 # block has none), the matrices and biases, the predictor (fc1, fc2: no rows where there is none), and the layer's
 # key and value slots (typed lists: [seq] -> [room, K, E]).
 StepLayer = namedtuple("StepLayer", ["attn_w", "attn_b", "ffn_w", "ffn_b", "post_attn_w", "post_attn_b", "post_ffn_w",
-                                     "post_ffn_b", "wqkv", "bqkv", "wo", "bo", "bundle", "bu", "bd", "fc1", "fc2",
+                                     "post_ffn_b", "wqkv", "bqkv", "qk_norms", "wo", "bo", "bundle", "bu", "bd", "fc1",
+                                     "fc2",
                                      "k_slots", "v_slots"])
 
 @njit(cache=True, nogil=True)
@@ -44,11 +45,11 @@ def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given
         if block == 2:  # parallel: the FFN reads the layer input too
             step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps)
         if T == 1:
-            attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.wo, L.bo, L.k_slots[seqs[0]],
+            attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots[seqs[0]],
                             L.v_slots[seqs[0]], cos, sin, positions[0], eps)
         else:
-            decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.wo, L.bo, L.k_slots, L.v_slots, seqs,
-                                   positions, cos, sin, eps)
+            decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots,
+                                   L.v_slots, seqs, positions, cos, sin, eps)
         h += a
         norm(h, h, L.post_attn_w, L.post_attn_b, eps)
         if block != 2:

@@ -17,10 +17,12 @@ MAX_CONTEXT = 1 << 24  # positions: the RoPE tables and learned positions are bu
 # HF architecture -> model family: one block definition and one weight-name table each (ref.model, ref.common.names).
 # ProSparse's folders name their remote code's classes (configuration_sparsellama.py, modeling_sparsellama.py).
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "BambooForCausalLM": "llama",
-                 "SparseLlamaForCausalLM": "llama", "OPTForCausalLM": "opt", "FalconForCausalLM": "falcon",
+                 "SparseLlamaForCausalLM": "llama", "Qwen2ForCausalLM": "llama", "Qwen3ForCausalLM": "llama",
+                 "OPTForCausalLM": "opt", "FalconForCausalLM": "falcon",
                  "RWForCausalLM": "falcon"}
 # Configs without `architectures`: model_type -> architecture.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "bamboo": "BambooForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "sparsellama": "SparseLlamaForCausalLM",
                "opt": "OPTForCausalLM", "falcon": "FalconForCausalLM", "RefinedWeb": "RWForCausalLM",
                "RefinedWebModel": "RWForCausalLM"}
@@ -34,6 +36,10 @@ FFN_KINDS = {
     "swish": "silu",
     "gelu": "gelu",        # Falcon's default (exact erf GELU): dense only
 }
+# LLaMA-family architectures whose attention differs: q, k and v with biases (Qwen2); each head's q and k RMS-normed
+# before RoPE (Qwen3).
+QKV_BIAS = ("Qwen2ForCausalLM",)
+QK_NORM = ("Qwen3ForCausalLM",)
 # Checkpoints whose config says `hidden_act: relu` but whose FFN is dReLU (their modeling code applies relu to up too).
 DRELU_ARCHITECTURES = ("BambooForCausalLM",)
 # The block around attention and FFN (ref.model): pre-norm residual (LLaMA, OPT, Falcon-RW), post-norm residual
@@ -69,6 +75,9 @@ class ModelConfig:
     fused_qkv: bool = False  # one q/k/v matrix, rows per kv head group: its H/K query heads, its key, its value
     embed_dim: int = 0       # OPT's word_embed_proj_dim where it differs from D (project_in / project_out), else 0
     final_norm: bool = True  # a norm before the output head (OPT-350m has none)
+    rope_scaling: tuple = ()  # () plain RoPE; ("linear", factor); ("llama3", factor, low, high, original context)
+    qkv_bias: bool = False   # biases on q, k and v only (Qwen2)
+    qk_norm: bool = False    # RMSNorm of each head's q and k before RoPE, weights [E] shared by the heads (Qwen3)
 
     @property
     def ffn_matrices(self) -> int:
@@ -179,19 +188,44 @@ class Fields:
             raise UserError(f"{self.source}: unsupported {key} '{act}' (supported: {', '.join(FFN_KINDS)})")
         return FFN_KINDS[act]
 
-    def rope_theta(self):
-        """rope_theta, or transformers 5's rope_parameters; scaled RoPE is refused."""
+    def rope(self) -> dict:
+        """rope_theta and rope_scaling (or transformers 5's rope_parameters, which holds both), as transformers'
+        rope_init_functions read them: 'linear' and 'llama3' change the frequencies; 'dynamic' (NTK) changes
+        nothing up to max_position_embeddings, which is as far as this engine goes; other types are refused."""
         params = self.raw.get("rope_parameters") or {}
-        scaling = (self.raw.get("rope_scaling")
-                   or {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")})
-        if scaling or params.get("rope_type", "default") != "default":
-            raise UserError(f"{self.source}: rope_scaling {self.raw.get('rope_scaling') or params!r} is not supported")
-        return Fields({"rope_theta": params.get("rope_theta", self.raw.get("rope_theta"))}, self.source).float(
-            "rope_theta", 10000.0)
+        scaling = self.raw.get("rope_scaling") or params
+        if not isinstance(scaling, dict):
+            raise UserError(f"{self.source}: rope_scaling must be an object, got {json.dumps(scaling)[:60]}")
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        out = Fields({"rope_theta": params.get("rope_theta", self.raw.get("rope_theta"))}, self.source)
+        theta = out.float("rope_theta", 10000.0)
+        read = Fields(scaling, self.source + " rope_scaling")
+        if kind in ("default", "dynamic"):
+            return dict(rope_theta=theta)
+        if kind == "linear":
+            return dict(rope_theta=theta, rope_scaling=("linear", read.float("factor", None)))
+        if kind == "llama3":
+            return dict(rope_theta=theta, rope_scaling=(
+                "llama3", read.float("factor", None), read.float("low_freq_factor", None),
+                read.float("high_freq_factor", None), read.int("original_max_position_embeddings")))
+        raise UserError(f"{self.source}: rope_scaling type '{kind}' is not supported (supported: linear, llama3, "
+                        "dynamic)")
+
+    def context(self, key: str = "max_position_embeddings", default=None) -> int:
+        """The positions a sequence may hold: max_position_embeddings, or the sliding window where it is smaller
+        (Mistral, Qwen with use_sliding_window): attention here sees every earlier position, which is the window's
+        attention only while the sequence fits in it."""
+        positions, window = self.int(key, default), self.raw.get("sliding_window")
+        uses = self.raw.get("use_sliding_window", True)
+        return min(positions, self.int("sliding_window")) if window is not None and uses is not False else positions
 
 
 def parse_llama(f: Fields, arch: str) -> dict:
-    """LLaMA, Mistral, Bamboo (ReluLLaMA, ProSparse, TurboSparse): RMSNorm, RoPE, GQA, gated FFN, no biases."""
+    """LLaMA (1 to 3.x), Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Bamboo (ReluLLaMA, ProSparse,
+    TurboSparse): RMSNorm, RoPE, GQA, gated FFN."""
+    for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's optional biases on every matrix
+        if f.bool(key, False):
+            raise UserError(f"{f.source}: {key} true is not supported")
     kind = f.activation("hidden_act", "silu")
     kind = "drelu" if arch in DRELU_ARCHITECTURES and kind == "relu" else kind
     d_model, n_heads = f.int("hidden_size"), f.int("num_attention_heads")
@@ -200,8 +234,9 @@ def parse_llama(f: Fields, arch: str) -> dict:
         n_kv_heads=f.int("num_key_value_heads", n_heads), head_dim=f.int("head_dim", d_model // n_heads),
         d_ffn=f.int("intermediate_size"), ffn_kind=kind,
         act_threshold=f.float("hidden_act_param", 0.0, zero_ok=True) if kind == "fatrelu" else 0.0,
-        norm_eps=f.float("rms_norm_eps", 1e-6), rope_theta=f.rope_theta(), max_seq_len=f.int("max_position_embeddings"),
-        tie_word_embeddings=f.bool("tie_word_embeddings", False))
+        norm_eps=f.float("rms_norm_eps", 1e-6), **f.rope(), max_seq_len=f.context(),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False), qkv_bias=arch in QKV_BIAS,
+        qk_norm=arch in QK_NORM)
 
 
 def parse_opt(f: Fields, arch: str) -> dict:
@@ -255,7 +290,7 @@ def parse_falcon(f: Fields, arch: str) -> dict:
         vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("num_hidden_layers"), n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=d_model // n_heads, d_ffn=f.int("ffn_hidden_size", 4 * d_model),
         ffn_kind=f.activation("activation", "gelu"), act_threshold=0.0, norm_eps=f.float("layer_norm_epsilon", 1e-5),
-        rope_theta=f.rope_theta(), max_seq_len=f.int("max_position_embeddings", 2048),
+        **f.rope(), max_seq_len=f.int("max_position_embeddings", 2048),
         tie_word_embeddings=f.bool("tie_word_embeddings", True), gated=False, norm="layer",
         bias=f.bool("bias", False), block=block, fused_qkv=True)
 

@@ -242,8 +242,9 @@ def config_from_gguf(meta: Metadata, kind: str, tied: bool) -> ModelConfig:
     }
     if raw["vocab_size"] is None:
         raise UserError(f"{meta.path}: neither '{arch}.vocab_size' nor 'tokenizer.ggml.tokens' gives the vocabulary size")
-    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or meta.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
-        raw["rope_scaling"] = {"type": meta.get(f"{arch}.rope.scaling.type")}
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "none" or meta.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        raw["rope_scaling"] = {"type": meta.get(f"{arch}.rope.scaling.type", "linear"),
+                               "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0)}
     return ModelConfig.from_dict(raw, source=str(meta.path))
 
 

@@ -20,6 +20,8 @@ HF_NAMES = {
         "layers.{l}.wk": "model.layers.{l}.self_attn.k_proj.weight",
         "layers.{l}.wv": "model.layers.{l}.self_attn.v_proj.weight",
         "layers.{l}.wo": "model.layers.{l}.self_attn.o_proj.weight",
+        "layers.{l}.q_norm": "model.layers.{l}.self_attn.q_norm.weight",
+        "layers.{l}.k_norm": "model.layers.{l}.self_attn.k_norm.weight",
         "layers.{l}.ffn_norm": "model.layers.{l}.post_attention_layernorm.weight",
         "layers.{l}.wg": "model.layers.{l}.mlp.gate_proj.weight",
         "layers.{l}.wu": "model.layers.{l}.mlp.up_proj.weight",
@@ -101,6 +103,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     attn = linear("wqkv", (H + 2 * K) * E, D) if cfg.fused_qkv else {
         **linear("wq", H * E, D), **linear("wk", K * E, D), **linear("wv", K * E, D)}
+    if cfg.qkv_bias:
+        attn.update({"wq.bias": (H * E,), "wk.bias": (K * E,), "wv.bias": (K * E,)})
+    if cfg.qk_norm:
+        attn.update({"q_norm": (E,), "k_norm": (E,)})
     ffn = {**({"wg": (F, D)} if cfg.gated else {}), **linear("wu", F, D), **linear("wd", D, F)}
     per_layer = {**norm("attn_norm"), **attn, **linear("wo", D, H * E),
                  **({} if cfg.block == "parallel_shared" else norm("ffn_norm")), **ffn}

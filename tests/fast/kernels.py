@@ -102,49 +102,54 @@ def case_attention(rng, T, S, H, K, E):
             ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.arange(pos0, S)))
 
 
-def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False):
-    """A block's attention weights in a format's storage (norm, q k v and o projections, biases where asked, rope
-    tables) and ref's block for one sequence's run h [T, D] whose positions before pos0 are cached in kc, vc."""
+def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_norm=False):
+    """A block's attention weights in a format's storage (norm, q k v and o projections, biases where asked, each
+    head's q and k norms where asked, rope tables) and ref's block for one sequence's run h [T, D] whose positions
+    before pos0 are cached in kc, vc."""
     w, wb, normed = norm_weights(rng, D, norm)
     (wqkv_b, wqkv, read_qkv), (wo_b, wo, read_o) = stored(randn(rng, (H + 2 * K) * E, D), fmt), stored(randn(rng, D, H * E), fmt)
     bqkv, bo = (randn(rng, (H + 2 * K) * E), randn(rng, D)) if bias else (EMPTY, EMPTY)
+    qk_norms = 1 + randn(rng, 2, E, scale=0.3) if qk_norm else np.zeros((0, 0), F32)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
 
     def want(h, kc, vc, pos0):
         T = h.shape[0]
         qkv = read_qkv(normed(f64(h))) @ wqkv.T + (bqkv if bias else 0)  # [T, (H + 2K) E]
         q, k, v = np.split(qkv, [H * E, (H + K) * E], axis=1)
+        q, k = q.reshape(T, H, E), k.reshape(T, K, E)
+        if qk_norm:  # ref.model's qkv
+            q, k = ref_rmsnorm(q, f64(qk_norms[0]), 1e-5), ref_rmsnorm(k, f64(qk_norms[1]), 1e-5)
         pos = np.arange(pos0, pos0 + T)
-        q, k = ref_rope(q.reshape(T, H, E), pos, 500.0), ref_rope(k.reshape(T, K, E), pos, 500.0)
+        q, k = ref_rope(q, pos, 500.0), ref_rope(k, pos, 500.0)
         keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
         return read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T + (bo if bias else 0)  # [T, D]
-    return (w, wb, wqkv_b, bqkv, wo_b, bo, *rope_tables_for(E)), want
+    return (w, wb, wqkv_b, bqkv, qk_norms, wo_b, bo, *rope_tables_for(E)), want
 
 
-def case_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False):
-    """The fast block against ref's norm, projections (with biases where asked), rope and attention; positions before
-    S - T are cached."""
+def case_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_norm=False):
+    """The fast block against ref's norm, projections (with biases where asked), q and k norms (where asked), rope
+    and attention; positions before S - T are cached."""
     h = randn(rng, T, D)
-    (w, wb, wqkv, bqkv, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias)
+    (w, wb, wqkv, bqkv, qk_norms, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias, qk_norm)
     kc, vc = randn(rng, S + 2, K, E), randn(rng, S + 2, K, E)  # capacity S + 2: the rows after S stay unread
     out = np.empty((T, D), F32)
-    return (lambda k: (k.attention_block(out, h, w, wb, wqkv, bqkv, wo, bo, kc.copy(), vc.copy(), cos, sin, S - T,
-                                         1e-5), out)[1], want(h, kc, vc, S - T))
+    return (lambda k: (k.attention_block(out, h, w, wb, wqkv, bqkv, qk_norms, wo, bo, kc.copy(), vc.copy(), cos, sin,
+                                         S - T, 1e-5), out)[1], want(h, kc, vc, S - T))
 
 
-def case_decode_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False):
+def case_decode_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_norm=False):
     """T sequences' one new token each, in slots given out of order beside a free slot (an empty array), at positions
     0 to S - 1: each token's row as ref's block of its own sequence."""
     from numba.typed import List
     h = randn(rng, T, D)
-    (w, wb, wqkv, bqkv, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias)
+    (w, wb, wqkv, bqkv, qk_norms, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias, qk_norm)
     seqs = rng.permutation(T + 1)[:T].astype(np.int64)  # slot T + 1's one left free
     positions = rng.integers(0, S, T).astype(np.int64)
     kcs, vcs = [randn(rng, S + 1, K, E) for _ in range(T + 1)], [randn(rng, S + 1, K, E) for _ in range(T + 1)]
     free = next(s for s in range(T + 1) if s not in seqs)
     kcs[free] = vcs[free] = np.zeros((0, K, E), F32)
     out = np.empty((T, D), F32)
-    return (lambda k: (k.decode_attention_block(out, h, w, wb, wqkv, bqkv, wo, bo, List([a.copy() for a in kcs]),
+    return (lambda k: (k.decode_attention_block(out, h, w, wb, wqkv, bqkv, qk_norms, wo, bo, List([a.copy() for a in kcs]),
                                                 List([a.copy() for a in vcs]), seqs, positions, cos, sin, 1e-5), out)[1],
             np.concatenate([want(h[t:t + 1], kcs[seqs[t]], vcs[seqs[t]], positions[t]) for t in range(T)]))
 
@@ -355,6 +360,8 @@ SHAPES = [
     ("attention_block", dict(T=2, S=7, H=4, K=4, E=8, D=19, norm="layer", bias=True), False),
     ("attention_block", dict(T=3, S=5, H=2, K=2, E=4, D=9, norm="none", bias=True), False),
     ("attention_block", dict(T=2, S=4, H=2, K=1, E=4, D=9, norm="layer", bias=True), True),
+    ("attention_block", dict(T=3, S=8, H=4, K=2, E=8, D=19, bias=True, qk_norm=True), False),  # Qwen2's, Qwen3's
+    ("attention_block", dict(T=2, S=5, H=4, K=2, E=8, D=9, qk_norm=True), True),
     ("ffn_block", dict(F=50, D=19, n_active=13, kind="relu"), False),
     ("ffn_block", dict(F=20, D=8, n_active=20, kind="silu"), False),
     ("ffn_block", dict(F=9, D=5, n_active=0, kind="relu"), False),
@@ -378,6 +385,7 @@ SHAPES = [
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),
     ("decode_attention_block", dict(T=3, S=6, H=2, K=2, E=4, D=9, norm="layer", bias=True), False),
+    ("decode_attention_block", dict(T=4, S=9, H=4, K=2, E=8, D=19, qk_norm=True), False),
     ("ffn_batch_block", dict(T=5, F=40, D=19, R=8, kind="relu"), False),
     ("ffn_batch_block", dict(T=1, F=20, D=8, R=5, kind="relu", share=0.5), False),
     ("ffn_batch_block", dict(T=6, F=30, D=19, R=7, kind="fatrelu", share=0.9), False),  # float tiles

@@ -11,7 +11,7 @@ import ref
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.sparse import apply_oracle
-from tests.helpers import FAMILIES, VARIANTS, assert_close, turbosparse, variant_copy
+from tests.helpers import DENSE_VARIANTS, FAMILIES, VARIANTS, assert_close, turbosparse, variant_copy
 
 
 def golden(variant):
@@ -24,16 +24,29 @@ def variant(request):
     return request.param, ref.load_model(FAMILIES / request.param)
 
 
-def check_golden(model, variant, rtol=1e-4):
+def check_golden(model, variant, rtol=1e-5):
     for j, (ids, want) in enumerate(golden(variant)):
         got = model.logits(ids)
         for t in range(len(ids)):
             assert_close(got[t], want[t], rtol=rtol, name=f"{variant} prompt {j} position {t}")
 
 
-def test_golden_logits(variant):
-    """ref matches transformers' float64 logits to 1e-4 relative per position."""
-    check_golden(variant[1], variant[0])
+@pytest.mark.parametrize("name", VARIANTS + DENSE_VARIANTS)
+def test_golden_logits(name):
+    """ref matches transformers' float64 logits to 1e-5 relative per position, every family and variant."""
+    check_golden(ref.load_model(FAMILIES / name), name)
+
+
+@pytest.mark.parametrize("name, scaling, qkv_bias, qk_norm, tied, positions", [
+    ("llama3-rope", ("llama3", 8.0, 1.0, 4.0, 32), False, False, True, 64),
+    ("llama-linear-rope", ("linear", 4.0), False, False, False, 64),
+    ("mistral-window", (), False, False, False, 32),  # sliding_window 32 of 64 positions: the engine stops at 32
+    ("qwen2", (), True, False, True, 64), ("qwen3", (), False, True, False, 64)])
+def test_llama_family_configs(name, scaling, qkv_bias, qk_norm, tied, positions):
+    c = ModelConfig.from_hf(FAMILIES / name)
+    assert (c.family, c.rope_scaling, c.qkv_bias, c.qk_norm, c.tie_word_embeddings, c.max_seq_len) == (
+        "llama", scaling, qkv_bias, qk_norm, tied, positions)
+    assert c.head_dim == (16 if name == "qwen3" else 8) and c.ffn_kind == "silu"
 
 
 def test_oracle_sparse_equals_dense(variant):
@@ -80,6 +93,13 @@ def test_falcon_rw_config_names(tmp_path):
     ("falcon-multi-query", {"multi_query": False}, "query_key_value.weight has shape (48, 32), config.json implies"),
     ("opt-post-ln", {"word_embed_proj_dim": None}, "unexpected tensor(s), first model.decoder.project_in.weight"),
     ("falcon-gqa", {"num_kv_heads": 3}, "4 attention heads are not a multiple of the 3 key-value heads"),
+    ("llama3-rope", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not"),
+    ("llama-linear-rope", {"rope_parameters": {"rope_type": "longrope"}}, "rope_scaling type 'longrope' is not"),
+    ("qwen2", {"architectures": ["Qwen2MoeForCausalLM"]}, "unsupported architectures ['Qwen2MoeForCausalLM']"),
+    ("llama3-rope", {"architectures": ["MixtralForCausalLM"]}, "unsupported architectures ['MixtralForCausalLM']"),
+    ("qwen2", {"architectures": ["LlamaForCausalLM"]}, "unexpected tensor(s), first model.layers.0.self_attn.k_proj.bias"),
+    ("qwen3", {"architectures": ["LlamaForCausalLM"]}, "unexpected tensor(s), first model.layers.0.self_attn.k_norm"),
+    ("qwen3", {"attention_bias": True}, "attention_bias true is not supported"),
 ])
 def test_refused_with_one_line(tmp_path, variant, change, message):
     folder = variant_copy(tmp_path, variant, config=change)
