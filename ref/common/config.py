@@ -191,7 +191,8 @@ class Fields:
     def rope(self) -> dict:
         """rope_theta and rope_scaling (or transformers 5's rope_parameters, which holds both), as transformers'
         rope_init_functions read them: 'linear' and 'llama3' change the frequencies; 'dynamic' (NTK) changes
-        nothing up to max_position_embeddings, which is as far as this engine goes; other types are refused."""
+        nothing up to its original context, which is as far as this engine goes (context); other types are
+        refused."""
         params = self.raw.get("rope_parameters") or {}
         scaling = self.raw.get("rope_scaling") or params
         if not isinstance(scaling, dict):
@@ -216,8 +217,14 @@ class Fields:
         (Mistral, Qwen with use_sliding_window): attention here sees every earlier position, which is the window's
         attention only while the sequence fits in it."""
         positions, window = self.int(key, default), self.raw.get("sliding_window")
-        uses = self.raw.get("use_sliding_window", True)
-        return min(positions, self.int("sliding_window")) if window is not None and uses is not False else positions
+        if window is not None and self.raw.get("use_sliding_window", True) is not False:
+            positions = min(positions, self.int("sliding_window"))
+        scaling = self.raw.get("rope_scaling") or self.raw.get("rope_parameters") or {}
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "dynamic" \
+                and "original_max_position_embeddings" in scaling:
+            # dynamic NTK changes the frequencies past its original context: stop there
+            positions = min(positions, Fields(scaling, self.source).int("original_max_position_embeddings"))
+        return positions
 
 
 def parse_llama(f: Fields, arch: str) -> dict:

@@ -154,3 +154,15 @@ def test_bos_as_the_family_tokenizer_adds_it(tmp_path, variant, config, bos):
     if config is not None:
         (tmp_path / variant / "tokenizer_config.json").write_text(json.dumps(config))
     assert (load_tokenizer(tmp_path / variant).encode("once")[0] == 1) == bos
+
+
+@pytest.mark.parametrize("extra, positions", [
+    ({}, 4096), ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 4096),  # NTK changes nothing up to 4096
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 1024}}, 1024),
+    ({"sliding_window": 512}, 512), ({"sliding_window": 512, "use_sliding_window": False}, 4096)])
+def test_the_context_a_config_allows(extra, positions):
+    """A sequence holds max_position_embeddings positions, or fewer: the sliding window where one is used, dynamic
+    NTK's original context (past which it would change the frequencies)."""
+    raw = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "vocab_size": 50, "max_position_embeddings": 4096}
+    assert ModelConfig.from_dict({**raw, **extra}).max_seq_len == positions
