@@ -323,6 +323,13 @@ SHAPES = {
     "falcon-40b": {"architectures": ["FalconForCausalLM"], "hidden_size": 8192, "num_hidden_layers": 60,
                    "num_attention_heads": 128, "num_kv_heads": 8, "new_decoder_architecture": True,
                    "vocab_size": 65024},
+    "llama-3-8b": {**llama_shape(4096, 14336, 32, 32, 8, 128256), "rope_theta": 500000.0},
+    "llama-3.2-1b": {**llama_shape(2048, 8192, 16, 32, 8, 128256), "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "mistral-7b": {**llama_shape(4096, 14336, 32, 32, 8, 32000), "architectures": ["MistralForCausalLM"]},
+    "qwen2.5-7b": {**llama_shape(3584, 18944, 28, 28, 4, 152064), "architectures": ["Qwen2ForCausalLM"],
+                   "rope_theta": 1e6},
+    "qwen3-8b": {**llama_shape(4096, 12288, 36, 32, 8, 151936), "architectures": ["Qwen3ForCausalLM"], "head_dim": 128,
+                 "rope_theta": 1e6},
     "tiny": llama_shape(256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
     "micro": llama_shape(16, 24, 2, 2, 1, 32),  # smoke runs under the CUDA simulator
 }

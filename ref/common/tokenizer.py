@@ -48,7 +48,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not (model_dir / "config.json").is_file():
         return Tokenizer(tok, None, stop_ids(model_dir, tok, tok_cfg, ()))
     cfg = ModelConfig.from_hf(model_dir)
-    adds = tok_cfg.get("add_bos_token", ADDS_BOS[cfg.family])
+    adds = tok_cfg.get("add_bos_token", ADDS_BOS[cfg.family] and cfg.architecture not in NO_BOS)
     bos = cfg.bos_token_id if adds is True else None
     return Tokenizer(tok, bos, stop_ids(model_dir, tok, tok_cfg, cfg.eos_token_ids))
 
@@ -57,6 +57,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 # family's transformers tokenizer does, LLaMA's adding it, OPT's configured to (its BOS is </s>), Falcon's not
 # (its config names a BOS that its tokenizer never adds).
 ADDS_BOS = {"llama": True, "opt": True, "falcon": False}
+NO_BOS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # LLaMA-family architectures whose tokenizers add none
 
 
 def read_json(file: Path) -> dict:

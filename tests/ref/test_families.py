@@ -143,7 +143,8 @@ def test_every_stop_id_the_folder_names(tmp_path):
 
 @pytest.mark.parametrize("variant, config, bos", [
     ("opt-pre-ln", None, True), ("falcon-gqa", None, False), ("falcon-gqa", {"add_bos_token": True}, True),
-    ("opt-pre-ln", {"add_bos_token": False}, False)])
+    ("opt-pre-ln", {"add_bos_token": False}, False), ("llama3-rope", None, True), ("qwen2", None, False),
+    ("qwen3", None, False)])
 def test_bos_as_the_family_tokenizer_adds_it(tmp_path, variant, config, bos):
     """A prompt starts with BOS as transformers' tokenizer of the family does, unless tokenizer_config.json says."""
     import json
