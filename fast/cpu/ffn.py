@@ -432,6 +432,16 @@ def dense_down(out, acc, gu, down, kind, thr):
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def activations(a, gu, kind, thr):
+    """a[t, i] = a(g_ti, u_ti) from gu[t] = (g_t, u_t) over all F neurons (ref.model.ffn_activation): what a down
+    matrix stored as llama.cpp's ffn_down [D, F] (rows of down, not of down^T) multiplies.  a: [T, F]; gu: [T, 2F]."""
+    T, F = a.shape
+    for t in prange(T):
+        for i in range(F):
+            a[t, i] = activation(kind, gu[t, i], gu[t, F + i], thr)
+
+
 @njit(cache=True, nogil=True)
 def dense_ffn_block(out, acc, h, ffn_norm, ffn_norm_b, gate_up, down, bd, kind, thr, eps):
     """out = dense_down(matmul(norm(h), gate_up)) + bd for one token, as one compiled call.  out, h: [D]; acc: [C, D];

@@ -14,11 +14,13 @@ import ref
 from fast import Engine, apply_predictors
 from fast.load import load_engine
 from ref.common.artifacts import Predictors
+from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.gguf_io import read_gguf, rope_rows
+from ref.common.safetensors import upcast
 from ref.common.tokenizer import load_tokenizer
-from ref.quant import predictor_format, predictors_beside, values
+from ref.quant import Transposed, predictor_format, predictors_beside, quantize, values
 from tests.helpers import ROOT, SHIPPED, assert_close, write_gguf
 
 TYPES = ["f16", "q8_0", "q4_0"]
@@ -321,10 +323,35 @@ def test_llama_cpp_computes_what_we_compute_on_our_file(tmp_path):
                      name=fmt)
 
 
-def test_a_quantized_llama_cpp_layout_is_refused_by_fast_with_the_way_out(files):
-    """llama.cpp's quantized ffn_down runs its blocks along F; fast's bundles need them along D (ffn_down_t)."""
-    with pytest.raises(UserError, match="quantized along the FFN dimension .* python -m fast.convert"):
-        Engine.load(files["dense"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_a_quantized_llama_cpp_file_runs_as_stored(tmp_path, fmt):
+    """llama.cpp's quantized ffn_down (blocks along F, as every Q8_0/Q4_0 GGUF on the Hub has it) runs dense as
+    stored: ref's logits on the same file, a prompt and one token at a time. With predictors it is re-laid once as
+    ffn_down_t (bundled): its values quantized again along D (the shipped model's perplexity in q4_0: +0.07 %).
+    (A random model: the shipped one's first layer reads the Q8_0 lattice of its embeddings, whose rounding ties
+    part ref and fast at 2e-3 in every layout.)"""
+    from fast.bench import synthetic_predictors
+    from tests.helpers import write_model
+    d = write_model(tmp_path / "m", {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "vocab_size": 4096}, seed=3)
+    shutil.copy(SHIPPED / "tokenizer.json", d / "tokenizer.json")
+    r = convert(d, "-o", tmp_path / "m.gguf", "--type", fmt, "--dense")
+    assert r.returncode == 0, r.stderr
+    e, m = Engine.load(tmp_path / "m.gguf"), ref.load_model(tmp_path / "m.gguf")
+    assert e.layers[0].down is not None and e.layers[0].bundle.shape[1] == 0
+    ids = IDS[:8]
+    want = m.logits(ids)
+    assert_close(e.logits(ids), want, rtol=1e-4)
+    cache = e.new_cache(len(ids))
+    steps = np.concatenate([e.forward(Batch.single(ids[t:t + 1], cache), cache) for t in range(len(ids))])
+    assert_close(steps, want, rtol=1e-4)
+    pred = synthetic_predictors(e.config, 8, seed=1)
+    sparse = apply_predictors(e, pred)
+    assert sparse.layers[0].down is None and sparse.layers[0].bundle.shape[1] == 3
+    for l in range(m.config.n_layers):  # ref's model of the re-lay: each down matrix's values quantized along D
+        wd = m.weights.tensors[f"layers.{l}.wd"]
+        m.weights.tensors[f"layers.{l}.wd"] = Transposed(quantize(upcast(wd).T, fmt))
+    assert_close(sparse.logits(ids), ref.apply_predictors(m, pred).logits(ids), rtol=1e-4)
 
 
 def test_a_llama_cpp_float_file_runs_dense_without_flags(tmp_path):
