@@ -6,8 +6,9 @@ they keep their pace), then pending prompt tokens up to `batch_size` in all (a l
 several steps, beside the running decodes). A request whose prompt is complete samples its next token from its run's
 logits with its own sampler and seed, so its text does not depend on what ran beside it. Text comes out through
 `TextStream` (whole UTF-8 characters, stop strings cut and never emitted) as events the HTTP layer reads:
-`("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message, http_status)`. A cancelled request (a
-client that went away) leaves its slot at the next step.
+`("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message, http_status)`. A cancelled
+request (a client that went away) leaves its slot at the next step; a request whose own work fails on the engine
+thread ends with an error, the others going on (`alone`); `drain` ends them all for a shutdown.
 
 Dimensions: V vocab.
 """

@@ -38,7 +38,8 @@ def test_defaults_mha_and_head_dim():
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architectures"),
     ({"hidden_size": 0}, "'hidden_size' must be a positive integer"),
     ({"num_key_value_heads": 3}, "not a multiple"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling: field 'factor' must be a finite positive number"),
 ])
 def test_bad_config_values(change, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
