@@ -75,6 +75,11 @@ def main(model_dir, out, type_, predictors, dense, force):
     if cfg.family not in GGUF_NAMES:
         raise UserError(f"{model_dir}: GGUF conversion writes the LLaMA family; this is a {cfg.architecture} "
                         f"({cfg.family}), which runs from its HF folder")
+    unwritten = [what for what, has in (("q/k/v biases", cfg.qkv_bias), ("q/k norms", cfg.qk_norm),
+                                        (f"{(cfg.rope_scaling or ('',))[0]} RoPE scaling", cfg.rope_scaling)) if has]
+    if unwritten:  # llama.cpp's llama architecture has no place for them: the file would be another model
+        raise UserError(f"{model_dir}: GGUF conversion of a {cfg.architecture} with {unwritten[0]} is not written yet; "
+                        "it runs from its HF folder")
     w = Weights.load(model_dir, cfg)
     tok_file = model_dir / "tokenizer.json"
     if not tok_file.is_file():

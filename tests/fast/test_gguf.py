@@ -278,6 +278,17 @@ def test_a_signalled_conversion_leaves_nothing(tmp_path, sig, code, last):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("variant, what", [("qwen2", "q/k/v biases"), ("qwen3", "q/k norms"),
+                                           ("llama3-rope", "llama3 RoPE scaling")])
+def test_convert_refuses_what_the_llama_architecture_cannot_hold(tmp_path, variant, what):
+    """llama.cpp's llama architecture has no q/k/v biases, q/k norms or Llama-3 frequencies: such a file would be
+    another model, so fast.convert says so in one line (these run from their folders)."""
+    from tests.helpers import FAMILIES
+    r = convert(FAMILIES / variant, "-o", tmp_path / "x.gguf", "--dense")
+    assert r.returncode == 1 and f"with {what} is not written yet" in r.stderr and r.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_convert_to_a_folder_is_one_line(tmp_path):
     r = convert(SHIPPED, "-o", tmp_path, "--force")
     assert r.returncode == 1 and "a folder; name the file to write" in r.stderr and r.stderr.count("\n") == 1
