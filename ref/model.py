@@ -41,12 +41,15 @@ def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nda
 def rope_frequencies(E: int, theta: float, scaling: tuple = ()) -> np.ndarray:
     """f_i = theta^(-2i/E) in float64, scaled as transformers' rope_init_functions do: 'linear' f / factor;
     'llama3' f / factor for wavelengths 2 pi / f above original / low, f below original / high, and between them
-    (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low).  -> [E/2]."""
+    (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low); 'factors' f_i / d_i (llama.cpp's
+    rope_freqs, Llama-3's scaling as its converter stores it).  -> [E/2]."""
     f = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)  # [E/2]
     if not scaling:
         return f
     if scaling[0] == "linear":
         return f / scaling[1]
+    if scaling[0] == "factors":
+        return f / np.array(scaling[1:])
     _, factor, low, high, original = scaling  # llama3
     wavelength = 2 * np.pi / f
     s = (original / wavelength - low) / (high - low)

@@ -7,9 +7,14 @@ golden.safetensors: the logits transformers computes in float64 for fixed prompt
 `prompts.{j}.logits`), the oracle tests/ref/test_families.py holds ref and fast to. Needs the `train` extra
 (torch, transformers); nothing else imports them.
 
-    python scripts/make_family_models.py -o tests/families
+With `--llama-cpp DIR` (a llama.cpp source tree), each LLaMA-family variant also gets llama.cpp.gguf: the folder as
+llama.cpp's own convert_hf_to_gguf.py writes it (f32), which is what users download. Its pre-tokenizer is named by
+ref.common.tokenizer's table: the converter's list of tokenizer hashes does not know the shipped tokenizer.
+
+    python scripts/make_family_models.py -o tests/families --llama-cpp ~/llama.cpp
 """
 
+import json
 import os
 import shutil
 import sys
@@ -52,6 +57,11 @@ VARIANTS = {
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen3": ("Qwen3Config", dict(intermediate_size=128, num_key_value_heads=2, head_dim=16)),
 }
+TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                    "unk_token": "<unk>", "pad_token": "<unk>"}
+# The variants llama.cpp's converter writes as architectures our GGUF reader knows (llama, qwen2, qwen3).
+GGUF_VARIANTS = tuple(name for name, (cls, _) in VARIANTS.items()
+                      if cls in ("LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config"))
 
 
 def make(name: str, out: Path, seed: int) -> None:
@@ -75,6 +85,8 @@ def make(name: str, out: Path, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     shutil.copy(SHIPPED / "tokenizer.json", out / "tokenizer.json")
+    # its special tokens named, or transformers' Qwen2 tokenizer would add its own <|endoftext|> past the vocabulary
+    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
     gold = {}
     model = model.double()
@@ -95,11 +107,30 @@ def make(name: str, out: Path, seed: int) -> None:
 @click.option("--variant", "variants", multiple=True, type=click.Choice(list(VARIANTS)),
               help="Only these variants [default: all].")
 @click.option("--seed", default=0, show_default=True)
-def main(out_dir: Path, variants, seed: int) -> None:
+@click.option("--llama-cpp", "llama_cpp", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A llama.cpp source tree: also write each LLaMA-family variant with its convert_hf_to_gguf.py.")
+def main(out_dir: Path, variants, seed: int, llama_cpp: Path | None) -> None:
     """Write the tiny test checkpoints with golden logits."""
     for name in variants or VARIANTS:
         make(name, out_dir / name, seed)
+        if llama_cpp is not None and name in GGUF_VARIANTS:
+            llama_cpp_gguf(llama_cpp, out_dir / name, out_dir / name / "llama.cpp.gguf")
         click.echo(f"{out_dir / name}: written")
+
+
+def llama_cpp_gguf(llama_cpp: Path, folder: Path, out: Path) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on `folder`, in this process, f32."""
+    sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py"), str(ROOT)]
+    import convert_hf_to_gguf
+    from conversion.base import TextModel
+    from ref.common.tokenizer import pre_tokenizer_name
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: pre_tokenizer_name(
+        json.loads((self.dir_model / "tokenizer.json").read_text(encoding="utf-8")))
+    argv, sys.argv = sys.argv, ["convert_hf_to_gguf.py", str(folder), "--outtype", "f32", "--outfile", str(out)]
+    try:
+        convert_hf_to_gguf.main()
+    finally:
+        sys.argv = argv
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class ModelConfig:
     fused_qkv: bool = False  # one q/k/v matrix, rows per kv head group: its H/K query heads, its key, its value
     embed_dim: int = 0       # OPT's word_embed_proj_dim where it differs from D (project_in / project_out), else 0
     final_norm: bool = True  # a norm before the output head (OPT-350m has none)
-    rope_scaling: tuple = ()  # () plain RoPE; ("linear", factor); ("llama3", factor, low, high, original context)
+    rope_scaling: tuple = ()  # () plain RoPE; ("linear", factor); ("llama3", factor, low, high, original context);
+    #                          ("factors", d_0 .. d_{E/2-1}) from a GGUF's rope_freqs
     qkv_bias: bool = False   # biases on q, k and v only (Qwen2)
     qk_norm: bool = False    # RMSNorm of each head's q and k before RoPE, weights [E] shared by the heads (Qwen3)
 

@@ -4,9 +4,11 @@ PWRI; per-layer predictors blk.N.fc1 / blk.N.fc2, the down matrix transposed as 
 
 Reading gives what an HF folder gives: a ModelConfig, the Weights by our names (memory-mapped in their stored
 format, Q/K rows put back in HF order), the embedded predictors if any, and the tokenizer. Writing streams one
-tensor at a time into a temporary file that is renamed when complete. llama.cpp's converter permutes the rows of
-attn_q and attn_k per head (its RoPE rotates adjacent pairs, HF's rotate-half pairs i and i + E/2); PowerInfer's
-LLaMA code expects the same, so we write them permuted and undo it when reading.
+tensor at a time into a temporary file that is renamed when complete. For its llama architecture llama.cpp's
+converter permutes the rows of attn_q and attn_k per head (that graph's RoPE rotates adjacent pairs, HF's
+rotate-half pairs i and i + E/2); PowerInfer's LLaMA code expects the same, so we write them permuted and undo it
+when reading. Its qwen2 and qwen3 graphs rotate as HF does: their rows stay as they are. Llama-3's frequency scaling
+travels as the tensor rope_freqs (one divisor per frequency).
 
 Dimensions: D d_model, F FFN neurons, H/K query/key-value heads, E head dim, V vocab, R predictor hidden size.
 """
@@ -15,7 +17,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from ref.common.artifacts import Predictors, check_predictor_shapes
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
-from ref.common.names import GGUF_ARCHITECTURES, expected_shapes, gguf_name
+from ref.common.names import GGUF_ARCHITECTURES, expected_shapes, gguf_architecture, gguf_name
 from ref.common.safetensors import BF16
 from ref.quant import Quantized, Transposed, blocks
 
@@ -36,6 +38,8 @@ ACT_KEY = "powerinfer_py.hidden_act"
 ACT_PARAM_KEY = "powerinfer_py.hidden_act_param"  # FATReLU's threshold
 DEFAULT_ACT = {"gguf": "silu", "powerinfer": "relu"}
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # general.file_type (llama_ftype)
+PERMUTED = ("llama", "bamboo")  # the architectures whose attn_q / attn_k rows are in llama.cpp's RoPE order
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -178,6 +182,8 @@ KEY_TYPES = {
     ".rope.scaling.factor": float, "tokenizer.ggml.model": str, "tokenizer.ggml.tokens": [str],
     "tokenizer.ggml.merges": [str], "tokenizer.ggml.scores": [float], "tokenizer.ggml.token_type": [int],
     "tokenizer.ggml.bos_token_id": int, "tokenizer.ggml.eos_token_id": int, "tokenizer.ggml.unknown_token_id": int,
+    "tokenizer.ggml.eot_token_id": int, "tokenizer.ggml.eom_token_id": int, "tokenizer.ggml.pre": str,
+    "tokenizer.ggml.add_bos_token": bool, "tokenizer.ggml.normalizer.lowercase": bool,
     "tokenizer.huggingface.json": str, "tokenizer.chat_template": str, THRESHOLD_KEY: float, ACT_KEY: str,
     ACT_PARAM_KEY: float}
 
@@ -284,6 +290,10 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     cfg = config_from_gguf(meta, kind, tied="output.weight" not in found)
     cfg.check_bytes(path.stat().st_size, path)
     tensors, used = {}, set()
+    if ROPE_FREQS in found:
+        cfg = with_rope_factors(cfg, stored(path, found[ROPE_FREQS]), path)
+        used.add(ROPE_FREQS)
+    permuted = meta.get("general.architecture") in PERMUTED
     for ours, shape in expected_shapes(cfg).items():
         gname = gguf_name(cfg, ours)
         transposed = gname.replace("ffn_down.", "ffn_down_t.")
@@ -298,7 +308,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             got = tuple(t.shape)
         if got != want:
             raise UserError(f"{path}: tensor {gname} has shape {got}, the metadata implies {want}")
-        if ours.endswith((".wq", ".wk")):  # llama.cpp's row order -> HF's
+        if permuted and ours.endswith((".wq", ".wk", ".wq.bias", ".wk.bias")):  # llama.cpp's row order -> HF's
             t = t[rope_rows(shape[0] // cfg.head_dim, cfg.head_dim, to_gguf=False)]
         tensors[ours] = t
         used.add(gname)
@@ -307,6 +317,18 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     if extra:
         raise UserError(f"{path}: {len(extra)} unexpected tensor(s), first {extra[0]}")
     return GGUFCheckpoint(kind, cfg, tensors, predictors, meta)
+
+
+def with_rope_factors(cfg: ModelConfig, factors, path: Path) -> ModelConfig:
+    """The config with RoPE frequencies divided by rope_freqs' factors ([E/2], positive and finite), which is how
+    llama.cpp's converter stores Llama-3's scaling."""
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.shape != (cfg.head_dim // 2,) or not (np.isfinite(f).all() and (f > 0).all()):
+        raise UserError(f"{path}: tensor {ROPE_FREQS} must hold {cfg.head_dim // 2} positive factors (one per "
+                        f"RoPE frequency), got {f.size}")
+    if cfg.rope_scaling:
+        raise UserError(f"{path}: tensor {ROPE_FREQS} and {cfg.rope_scaling[0]} RoPE scaling together are not supported")
+    return replace(cfg, rope_scaling=("factors", *map(float, f)))
 
 
 def check_ranges(path: Path, tensors, size: int) -> None:

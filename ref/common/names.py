@@ -78,14 +78,18 @@ GGUF_NAMES = {
         "layers.{l}.wk": "blk.{l}.attn_k.weight",
         "layers.{l}.wv": "blk.{l}.attn_v.weight",
         "layers.{l}.wo": "blk.{l}.attn_output.weight",
+        "layers.{l}.q_norm": "blk.{l}.attn_q_norm.weight",
+        "layers.{l}.k_norm": "blk.{l}.attn_k_norm.weight",
         "layers.{l}.ffn_norm": "blk.{l}.ffn_norm.weight",
         "layers.{l}.wg": "blk.{l}.ffn_gate.weight",
         "layers.{l}.wu": "blk.{l}.ffn_up.weight",
         "layers.{l}.wd": "blk.{l}.ffn_down.weight",
     },
 }
-# GGUF `general.architecture` -> HF architecture (ref.common.config.ARCHITECTURES says its family).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "bamboo": "BambooForCausalLM"}
+# GGUF `general.architecture` -> HF architecture (ref.common.config.ARCHITECTURES says its family). llama.cpp's
+# converter writes Mistral and Llama-3 as llama, Qwen2 and Qwen3 as their own.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "bamboo": "BambooForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 # Buffers some exports carry that hold nothing the model needs (RoPE frequencies are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -134,6 +138,11 @@ def lookup(table: dict[str, str], name: str) -> str:
 
 def hf_name(cfg: ModelConfig, name: str) -> str:
     return lookup({**HF_NAMES[cfg.family], **BLOCK_NAMES.get((cfg.family, cfg.block), {})}, name)
+
+
+def gguf_architecture(cfg: ModelConfig) -> str:
+    """The `general.architecture` a file of this model is written as: llama.cpp's converter's choice."""
+    return {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(cfg.architecture, "llama")
 
 
 def gguf_name(cfg: ModelConfig, name: str) -> str:

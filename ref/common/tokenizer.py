@@ -3,7 +3,9 @@ every config file of the folder names (`stop_ids`), never from the template."""
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
+from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
@@ -84,13 +86,49 @@ def stop_ids(model_dir: Path, tok: HFTokenizer, tok_cfg: dict, eos: tuple[int, .
     return tuple(dict.fromkeys(ids))
 
 
+class Pre(NamedTuple):
+    """How a byte-level BPE tokenizer splits text before merging: the Split regex of its tokenizer.json (None: GPT-2's
+    ByteLevel regex), NFC first (Qwen's), whole words in the vocabulary taken as they are (`ignore_merges`,
+    Llama-3's), and whether llama.cpp adds BOS where the file does not say."""
+    split: str | None = None
+    nfc: bool = False
+    ignore_merges: bool = False
+    adds_bos: bool = False
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3, QWEN2 = Pre(LLAMA3_SPLIT, False, True, True), Pre(LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"), True)
+# llama.cpp's `tokenizer.ggml.pre` names (src/llama-vocab.cpp). Its converter names a tokenizer by hashing its output
+# on a test text (convert_hf_to_gguf.py, get_vocab_base_pre): the same Split regex and normalizer, the same name.
+PRE_TOKENIZERS = {"default": Pre(), "gpt-2": Pre(), "llama-bpe": LLAMA3, "llama3": LLAMA3, "llama-v3": LLAMA3,
+                  "qwen2": QWEN2, "deepseek-r1-qwen": QWEN2}
+
+
+def pre_tokenizer_name(tokenizer_json: dict) -> str:
+    """The `tokenizer.ggml.pre` name of a byte-level BPE tokenizer.json: the PRE_TOKENIZERS entry with its Split
+    regex and normalizer, 'default' for any other."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
+    split = next((p.get("pattern", {}).get("Regex") for p in steps if isinstance(p, dict) and p.get("type") == "Split"
+                  and isinstance(p.get("pattern"), dict)), None)
+    nfc = (tokenizer_json.get("normalizer") or {}).get("type") == "NFC"
+    return next((name for name, how in PRE_TOKENIZERS.items() if (how.split, how.nfc) == (split, nfc)), "default")
+
+
 def gguf_tokenizer(path: Path) -> Tokenizer:
     """A GGUF file's tokenizer: its tokenizer.huggingface.json when it has one, else one built from llama.cpp's
-    tokenizer.ggml.* metadata ('gpt2': byte-level BPE from tokens and merges; 'llama': SentencePiece BPE from tokens
-    and scores, merges ranked by the merged piece's score, as transformers' GGUF converter does)."""
+    tokenizer.ggml.* metadata ('gpt2': byte-level BPE from tokens and merges, split first as its
+    tokenizer.ggml.pre names (PRE_TOKENIZERS); 'llama': SentencePiece BPE from tokens and scores, merges ranked by
+    the merged piece's score, as transformers' GGUF converter does). BOS where tokenizer.ggml.add_bos_token says,
+    else as llama.cpp decides; every end-of-generation id the file names (EOS, Llama-3's end of turn)."""
     meta = gguf_metadata(path)
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    eos_ids = () if eos is None else (int(eos),)
+    kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    how = PRE_TOKENIZERS.get(pre, Pre())
+    adds = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or how.adds_bos)
+    bos = meta.get("tokenizer.ggml.bos_token_id") if adds else None
+    eos_ids = tuple(dict.fromkeys(meta.get(key) for key in EOG_KEYS if meta.get(key) is not None))
     hf_json = meta.get("tokenizer.huggingface.json")
     if hf_json is not None:
         try:
@@ -98,10 +136,9 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise UserError(f"{path}: tokenizer.huggingface.json is not a tokenizer ({str(e).splitlines()[0][:120]})"
                             ) from None
-    kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise UserError(f"{path}: no tokenizer (neither tokenizer.huggingface.json nor tokenizer.ggml.tokens)")
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"):
+    for key in ("tokenizer.ggml.bos_token_id", *EOG_KEYS, "tokenizer.ggml.unknown_token_id"):
         if not 0 <= meta.get(key, 0) < len(tokens):
             raise UserError(f"{path}: metadata key '{key}' is {meta.get(key)}, not a token id (of {len(tokens)})")
     for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
@@ -109,11 +146,19 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
             raise UserError(f"{path}: metadata key '{key}' has {len(meta.get(key))} entries for {len(tokens)} tokens")
     vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "gpt2":
+        if pre not in PRE_TOKENIZERS:
+            raise UserError(f"{path}: tokenizer.ggml.pre '{pre}' is not supported (supported: "
+                            f"{', '.join(PRE_TOKENIZERS)}); its text would split differently")
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         if any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges):
             raise UserError(f"{path}: metadata key 'tokenizer.ggml.merges' has an entry that is not two tokens")
-        tok = HFTokenizer(models.BPE(vocab, merges))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=how.ignore_merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if how.split is None else \
+            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(how.split), behavior="isolated"),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        steps = [normalizers.NFC()] * how.nfc + [normalizers.Lowercase()] * meta.get(LOWERCASE_KEY, False)
+        if steps:
+            tok.normalizer = normalizers.Sequence(steps)
         tok.decoder = decoders.ByteLevel()
     elif kind == "llama":
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
@@ -132,4 +177,9 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
         raise UserError(f"{path}: tokenizer.ggml.model '{kind}' is not supported (supported: gpt2, llama)")
     types = meta.get("tokenizer.ggml.token_type") or []
     tok.add_special_tokens([tokens[i] for i, t in enumerate(types) if t == 3])  # CONTROL
+    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == 4])  # USER_DEFINED
     return Tokenizer(tok, bos, eos_ids)
+
+
+LOWERCASE_KEY = "tokenizer.ggml.normalizer.lowercase"  # llama.cpp's converter's note of a lowercasing normalizer
+EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

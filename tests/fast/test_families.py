@@ -37,6 +37,14 @@ def test_golden_logits(any_variant):
             assert_close(got[t], want[t], rtol=1e-5, name=f"{name} prompt {j} position {t}")
 
 
+@pytest.mark.parametrize("name", DENSE_VARIANTS)
+def test_llama_cpp_converted_file_gives_the_golden_logits(name):
+    """llama.cpp's own conversion of each LLaMA-family variant (f32), memory-mapped, matches transformers' logits."""
+    engine = Engine.load(FAMILIES / name / "llama.cpp.gguf", threads=2)
+    for j, (ids, want) in enumerate(golden(name)):
+        assert_close(engine.logits(ids), want, rtol=1e-5, name=f"{name} prompt {j}")
+
+
 def test_prompt_chunks_and_batched_decode_match_ref(any_variant):
     """A prompt of P - 4 tokens (40 of 64: BLAS kernels) and then two sequences decoding together, against ref's
     logits."""

@@ -37,6 +37,25 @@ def test_golden_logits(name):
     check_golden(ref.load_model(FAMILIES / name), name)
 
 
+@pytest.mark.parametrize("name", DENSE_VARIANTS)
+def test_llama_cpp_converted_file_gives_the_golden_logits(name):
+    """The folder as llama.cpp's own convert_hf_to_gguf.py wrote it (llama with Q/K rows permuted and Llama-3's
+    scaling as rope_freqs, qwen2 with q/k/v biases, qwen3 with q/k norms, rows as they are) gives transformers'
+    logits."""
+    check_golden(ref.load_model(FAMILIES / name / "llama.cpp.gguf"), name)
+
+
+@pytest.mark.parametrize("name, arch, scaling", [("llama3-rope", "LlamaForCausalLM", "factors"),
+                                                 ("llama-linear-rope", "LlamaForCausalLM", "linear"),
+                                                 ("qwen2", "Qwen2ForCausalLM", None), ("qwen3", "Qwen3ForCausalLM", None)])
+def test_llama_cpp_converted_config(name, arch, scaling):
+    from ref.common.gguf_io import read_gguf
+    got, want = read_gguf(FAMILIES / name / "llama.cpp.gguf").config, ModelConfig.from_hf(FAMILIES / name)
+    assert got.architecture == arch and (got.rope_scaling or (None,))[0] == scaling
+    assert (got.qkv_bias, got.qk_norm, got.head_dim, got.tie_word_embeddings) == (
+        want.qkv_bias, want.qk_norm, want.head_dim, want.tie_word_embeddings)
+
+
 @pytest.mark.parametrize("name, scaling, qkv_bias, qk_norm, tied, positions", [
     ("llama3-rope", ("llama3", 8.0, 1.0, 4.0, 32), False, False, True, 64),
     ("llama-linear-rope", ("linear", 4.0), False, False, False, 64),
