@@ -22,8 +22,8 @@ from ref.common.batch import Batch
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
-from ref.common.gguf_io import Planned, model_kv, write_gguf
-from ref.common.names import expected_shapes, gguf_name
+from ref.common.gguf_io import Planned, model_kv, rope_freqs, write_gguf
+from ref.common.names import expected_shapes, gguf_architecture, gguf_name
 from ref.common.weights import Weights
 from ref.quant import Quantized, quantize
 
@@ -267,10 +267,10 @@ def random_gguf(cfg: ModelConfig, fmt: Format, path, seed: int = 0) -> int:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"\u2581t{i}" for i in range(V - len(tokens))]
     types = [2, 3, 3] + [6] * 256 + [1] * (V - 259)
-    kv = model_kv(cfg, "llama", fmt, "random") + [
+    kv = model_kv(cfg, fmt, "random") + [
         ("add_tokenizer_model", "llama"), ("add_token_list", tokens), ("add_token_scores", [0.0] * V),
         ("add_token_types", types), ("add_bos_token_id", 1), ("add_eos_token_id", 2), ("add_unk_token_id", 0)]
-    return write_gguf(Path(path), "gguf", "llama", kv, planned)
+    return write_gguf(Path(path), "gguf", gguf_architecture(cfg), kv, rope_freqs(cfg) + planned)
 
 
 @contextmanager

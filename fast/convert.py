@@ -1,7 +1,9 @@
-"""`python -m fast.convert MODEL_DIR -o OUT.gguf --type f16|q8_0|q4_0 [--predictors FILE]`: an HF checkpoint as a
-PowerInfer-layout GGUF (magic PWRI: predictors embedded, the down matrix transposed as ffn_down_t, the sparse
-threshold, the tokenizer), which PowerInfer's C++ loads and fast.run memory-maps; `--dense` writes llama.cpp's
-layout instead (magic GGUF, ffn_down, no predictors). One tensor at a time: memory holds one tensor in two formats."""
+"""`python -m fast.convert MODEL -o OUT.gguf [--type f16|q8_0|q4_0] [--predictors FILE]`: an HF checkpoint, or a GGUF
+file (llama.cpp's or ours, as llama-quantize takes one), as a PowerInfer-layout GGUF (magic PWRI: predictors
+embedded, the down matrix transposed as ffn_down_t, the sparse threshold, the tokenizer), which PowerInfer's C++
+loads and fast.run memory-maps; `--dense` writes llama.cpp's layout instead (magic GGUF, ffn_down, no predictors).
+One tensor at a time: memory holds one tensor in two formats; a tensor already in the format and layout wanted is
+copied as it is."""
 
 from ref.common.errors import UserError, ctrl_c_quits_while_starting
 
@@ -16,34 +18,37 @@ import click
 from ref.common.artifacts import Predictors
 from ref.common.cli import check_model_dir, output_file, user_errors
 from ref.common.config import ModelConfig
+from ref.common.checkpoint import load_checkpoint
 from ref.common.formats import FORMATS, Format, format_of
-from ref.common.gguf_io import Planned, is_gguf, model_kv, rope_rows, tokenizer_kv, write_gguf, THRESHOLD_KEY
-from ref.common.names import GGUF_NAMES, expected_shapes, gguf_name
+from ref.common.gguf_io import (PERMUTED, THRESHOLD_KEY, Planned, copied_kv, gguf_metadata, is_gguf, model_kv, rope_freqs,
+                                rope_rows, tokenizer_kv, write_gguf)
+from ref.common.names import GGUF_NAMES, expected_shapes, gguf_architecture, gguf_name
 from ref.common.progress import Progress
 from ref.common.safetensors import upcast
 from ref.common.weights import Weights
-from ref.quant import predictor_format, quantize
+from ref.common.tokenizer import load_tokenizer
+from ref.quant import Transposed, predictor_format, quantize, stored_format, tensor_format
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned]:
-    """The file's tensors in order, each computed when written: norms f32; matrices in fmt (attn_q / attn_k rows in
-    llama.cpp's order; the down matrix transposed when predictors come along); predictors in the format that goes
-    with fmt where their rows are whole blocks of it, else f16 (ref.quant.predictor_format)."""
-    cfg, out = w.config, []
+    """The file's tensors in order, each computed when written: norms and biases f32; matrices in fmt (attn_q /
+    attn_k rows in llama.cpp's order where its architecture permutes them; the down matrix transposed when predictors
+    come along); rope_freqs where the frequencies are scaled per frequency; predictors in the format that goes with
+    fmt where their rows are whole blocks of it, else f16 (ref.quant.predictor_format)."""
+    cfg, out = w.config, rope_freqs(w.config)
+    permuted = gguf_architecture(cfg) in PERMUTED
     for name, shape in expected_shapes(cfg).items():
-        gname = gguf_name(cfg, name)
-        if len(shape) == 1:
-            out.append(Planned(gname, shape, FORMATS["f32"], lambda n=name: upcast(w[n])))
-        elif name.endswith((".wq", ".wk")):
+        gname, f = gguf_name(cfg, name), fmt if len(shape) == 2 else FORMATS["f32"]
+        if permuted and name.endswith((".wq", ".wk", ".wq.bias", ".wk.bias")):
             rows = rope_rows(shape[0] // cfg.head_dim, cfg.head_dim, to_gguf=True)
-            out.append(Planned(gname, shape, fmt, lambda n=name, r=rows: quantize(upcast(w[n])[r], fmt, n)))
+            out.append(Planned(gname, shape, f, lambda n=name, r=rows, f=f: in_format(w[n][r], f, n)))
         elif name.endswith(".wd") and predictors is not None:
             out.append(Planned(gname.replace("ffn_down.", "ffn_down_t."), shape[::-1], fmt,
-                               lambda n=name: quantize(upcast(w[n]).T, fmt, n)))
+                               lambda n=name: in_format(transposed(w[n]), fmt, n)))
         else:
-            out.append(Planned(gname, shape, fmt, lambda n=name: quantize(upcast(w[n]), fmt, n)))
+            out.append(Planned(gname, shape, f, lambda n=name, f=f: in_format(w[n], f, n)))
     for l, (a, b) in enumerate(zip(predictors.fc1, predictors.fc2) if predictors is not None else ()):
         for part, t in (("fc1", a), ("fc2", b)):
             f = predictor_format(fmt, t.shape[-1])
@@ -51,48 +56,59 @@ def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned
     return out
 
 
+def in_format(t, fmt: Format, name: str):
+    """A stored tensor in `fmt`: as it is when it is in it already (no second rounding), else converted."""
+    return t if not isinstance(t, Transposed) and tensor_format(t) == fmt else quantize(upcast(t), fmt, name)
+
+
+def transposed(t):
+    """The stored transpose of a matrix: a PowerInfer file's ffn_down_t as it is, else computed (in float32)."""
+    return t.T if isinstance(t, Transposed) else upcast(t).T
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="The .gguf file to write.")
-@click.option("--type", "type_", default="f16", show_default=True, help=f"Weight format: {', '.join(TYPES)}.")
+@click.option("--type", "type_", default=None,
+              help=f"Weight format: {', '.join(TYPES)}. [default: f16 from a folder, a GGUF file's own]")
 @click.option("--predictors", type=click.Path(path_type=Path), default=None,
-              help="[default: MODEL_DIR/predictors.safetensors]")
+              help="[default: MODEL/predictors.safetensors of a folder, a PowerInfer file's own]")
 @click.option("--dense", is_flag=True, help="llama.cpp's layout: no predictors, ffn_down, magic GGUF.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @user_errors
-def main(model_dir, out, type_, predictors, dense, force):
-    """Write MODEL_DIR (an HF folder) as a PowerInfer GGUF file."""
+def main(model, out, type_, predictors, dense, force):
+    """Write MODEL (an HF folder or a GGUF file) as a PowerInfer GGUF file."""
     t0 = time.perf_counter()
-    fmt = format_of(type_)
     if dense and predictors is not None:
         raise UserError("--dense and --predictors contradict each other")
     out = output_file(out, force, "-o")
-    if model_dir.is_file() and is_gguf(model_dir):
-        raise UserError(f"MODEL_DIR {model_dir}: a GGUF file already (fast.run and ref run it as it is); fast.convert "
-                        "reads a Hugging Face folder")
-    check_model_dir(model_dir)
-    cfg = ModelConfig.from_hf(model_dir)
-    if cfg.family not in GGUF_NAMES:
-        raise UserError(f"{model_dir}: GGUF conversion writes the LLaMA family; this is a {cfg.architecture} "
-                        f"({cfg.family}), which runs from its HF folder")
-    unwritten = [what for what, has in (("q/k/v biases", cfg.qkv_bias), ("q/k norms", cfg.qk_norm),
-                                        (f"{(cfg.rope_scaling or ('',))[0]} RoPE scaling", cfg.rope_scaling)) if has]
-    if unwritten:  # llama.cpp's llama architecture has no place for them: the file would be another model
-        raise UserError(f"{model_dir}: GGUF conversion of a {cfg.architecture} with {unwritten[0]} is not written yet; "
-                        "it runs from its HF folder")
-    w = Weights.load(model_dir, cfg)
-    tok_file = model_dir / "tokenizer.json"
-    if not tok_file.is_file():
-        raise UserError(f"{tok_file}: missing (the GGUF file carries the tokenizer)")
+    from_gguf = model.is_file() and is_gguf(model)
+    if from_gguf:
+        w = load_checkpoint(model)
+        if model.resolve() == out.resolve():
+            raise UserError(f"-o {out}: the file being read; write another")
+    else:
+        check_model_dir(model)
+        cfg = ModelConfig.from_hf(model)
+        if cfg.family not in GGUF_NAMES:
+            raise UserError(f"{model}: GGUF conversion writes the LLaMA family; this is a {cfg.architecture} "
+                            f"({cfg.family}), which runs from its HF folder")
+        w = Weights.load(model, cfg)
+    cfg = w.config
+    fmt = format_of(type_) if type_ is not None else stored_format(w) if from_gguf else FORMATS["f16"]
     pred = None
     if not dense:
-        predictors = predictors or model_dir / "predictors.safetensors"
-        if not predictors.is_file():
+        if predictors is None and from_gguf and w.predictors is None:
+            raise UserError(f"{model}: a GGUF file without predictors; --predictors FILE adds them (--dense writes "
+                            "llama.cpp's layout without them)")
+        predictors = predictors or (None if from_gguf else model / "predictors.safetensors")
+        if predictors is not None and not predictors.is_file():
             raise UserError(f"--predictors {predictors}: not found (a PowerInfer file carries predictors; "
                             "--dense writes llama.cpp's layout without them)")
-        pred = Predictors.load(predictors, cfg)
+        pred = Predictors.load(predictors, cfg) if predictors is not None else w.predictors
     kind = "gguf" if dense else "powerinfer"
-    kv = model_kv(cfg, "llama", fmt, model_dir.resolve().name) + tokenizer_kv(tok_file.read_text(encoding="utf-8"), cfg)
+    name = model.stem if from_gguf else model.resolve().name
+    kv = model_kv(cfg, fmt, name) + tokenizer_of(model, from_gguf, cfg)
     if pred is not None:
         kv.append(("add_float32", THRESHOLD_KEY, pred.threshold))
     planned = plan(w, fmt, pred)
@@ -102,11 +118,23 @@ def main(model_dir, out, type_, predictors, dense, force):
         w.release()
         progress.update(nbytes / 2**20)
 
-    size = write_gguf(out, kind, "llama", kv, planned, written)
+    size = write_gguf(out, kind, gguf_architecture(cfg), kv, planned, written)
     progress.close()
     shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     click.echo(f"wrote {out}: {'PowerInfer' if pred is not None else 'llama.cpp'} GGUF, {fmt.name}, {len(planned)} "
                f"tensors, {shown} in {time.perf_counter() - t0:.1f} s")
+
+
+def tokenizer_of(model: Path, from_gguf: bool, cfg: ModelConfig) -> list:
+    """The tokenizer's metadata: a GGUF file's own tokenizer.* keys as they are, or a folder's tokenizer.json with
+    the BOS and EOS ids its loader uses."""
+    if from_gguf:
+        return copied_kv(gguf_metadata(model), "tokenizer.")
+    tok_file = model / "tokenizer.json"
+    if not tok_file.is_file():
+        raise UserError(f"{tok_file}: missing (the GGUF file carries the tokenizer)")
+    tok = load_tokenizer(model)
+    return tokenizer_kv(tok_file.read_text(encoding="utf-8"), tok.bos_id, tok.eos_ids, cfg.vocab_size)
 
 
 if __name__ == "__main__":

@@ -74,9 +74,9 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     batches = parse_sequences(sequences)
     batches = sorted({1, *batches}) if batches else []  # B = 1 timed the same way: the scaling's denominator
     cfg = shape_config(shape, layers)
-    if with_peer and (cfg.family != "llama" or cfg.qkv_bias or cfg.qk_norm):
-        raise click.UsageError(f"--peer times llama.cpp on a GGUF of its llama architecture, which {shape} is not "
-                               "(another family, or q/k/v biases or q/k norms)")
+    if with_peer and cfg.family != "llama":
+        raise click.UsageError(f"--peer times llama.cpp on a GGUF of the LLaMA family (llama, qwen2, qwen3), which "
+                               f"{shape} is not")
     engine = random_engine(cfg, threads, fmt=FORMATS[type_])
     R = predictor_size(cfg)
     pred = synthetic_predictors(cfg, R)

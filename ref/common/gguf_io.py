@@ -36,6 +36,7 @@ THRESHOLD_KEY = "powerinfer.sparse_threshold"
 # say which, under this key; others get their runtime's convention.
 ACT_KEY = "powerinfer_py.hidden_act"
 ACT_PARAM_KEY = "powerinfer_py.hidden_act_param"  # FATReLU's threshold
+EOS_IDS_KEY = "powerinfer_py.eos_token_ids"  # every id that ends generation (llama.cpp's keys name one or two)
 DEFAULT_ACT = {"gguf": "silu", "powerinfer": "relu"}
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # general.file_type (llama_ftype)
 PERMUTED = ("llama", "bamboo")  # the architectures whose attn_q / attn_k rows are in llama.cpp's RoPE order
@@ -140,12 +141,14 @@ class Parser:
         version, n_tensors, n_kv = self.scalar(4), self.scalar(10), self.scalar(10)
         if version not in (2, 3):
             self.fail(f"GGUF version {version}")
-        fields = {}
+        fields, self.types = {}, {}
         for _ in range(min(n_kv, len(self.buf))):  # a key-value takes a byte at least
             key = self.string()
             if key in fields:
                 self.fail(f"metadata key '{key[:80]}' twice")
-            fields[key] = self.value(self.scalar(4))
+            vtype, start = self.scalar(4), self.pos
+            fields[key] = self.value(vtype)
+            self.types[key] = (vtype, int(np.frombuffer(self.buf[start:start + 4], "<u4")[0]) if vtype == ARRAY else None)
         if len(fields) < n_kv:
             self.fail(f"{n_kv} metadata keys")
         infos = []
@@ -185,6 +188,7 @@ KEY_TYPES = {
     "tokenizer.ggml.eot_token_id": int, "tokenizer.ggml.eom_token_id": int, "tokenizer.ggml.pre": str,
     "tokenizer.ggml.add_bos_token": bool, "tokenizer.ggml.normalizer.lowercase": bool,
     "tokenizer.huggingface.json": str, "tokenizer.chat_template": str, THRESHOLD_KEY: float, ACT_KEY: str,
+    EOS_IDS_KEY: [int],
     ACT_PARAM_KEY: float}
 
 
@@ -200,8 +204,8 @@ class Metadata:
     """The key-value section of a GGUF file, each value read checked against KEY_TYPES, with one-line errors naming
     the file and key."""
 
-    def __init__(self, path: Path, fields: dict):
-        self.path, self.fields = path, fields
+    def __init__(self, path: Path, fields: dict, types: dict):
+        self.path, self.fields, self.types = path, fields, types  # types: key -> (GGUF value type, item type of an array)
 
     def get(self, key: str, default=None):
         if key not in self.fields:
@@ -222,7 +226,8 @@ class Metadata:
 
 def gguf_metadata(path: str | Path) -> Metadata:
     path = Path(path)
-    return Metadata(path, Parser(path).read()[1])
+    parser = Parser(path)
+    return Metadata(path, parser.read()[1], parser.types)
 
 
 def config_from_gguf(meta: Metadata, kind: str, tied: bool) -> ModelConfig:
@@ -281,8 +286,9 @@ class GGUFCheckpoint:
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
     """Config, weights by our names (exact tensor set and shapes checked), and embedded predictors of a GGUF file."""
     path = Path(path)
-    kind, fields, infos = Parser(path).read()
-    meta = Metadata(path, fields)
+    parser = Parser(path)
+    kind, fields, infos = parser.read()
+    meta = Metadata(path, fields, parser.types)
     found = {t.name: t for t in infos}
     if len(found) < len(infos):
         raise UserError(f"{path}: two tensors share a name")
@@ -417,15 +423,32 @@ def write_gguf(out: Path, kind: str, arch: str, kv: list, planned: list[Planned]
         raise
 
 
+def gguf_rope_type(name: str):
+    from gguf import RopeScalingType
+    return RopeScalingType(name)
+
+
+def rope_freqs(cfg: ModelConfig) -> list[Planned]:
+    """rope_freqs [E/2] for a model whose RoPE frequencies are divided per frequency (Llama-3's scaling), as
+    llama.cpp's converter writes it; none for the others."""
+    if cfg.rope_scaling[:1] not in (("llama3",), ("factors",)):
+        return []
+    from ref.model import rope_frequencies
+    f = rope_frequencies(cfg.head_dim, cfg.rope_theta) / rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return [Planned(ROPE_FREQS, f.shape, FORMATS["f32"], lambda: f.astype(np.float32))]
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-def tokenizer_kv(tokenizer_json: str, cfg: ModelConfig) -> list:
-    """llama.cpp's tokenizer metadata for a byte-level BPE tokenizer.json ('gpt2'), plus the file itself as
-    tokenizer.huggingface.json (llama.cpp's metadata has no place for its normalizer, e.g. lowercasing)."""
+def tokenizer_kv(tokenizer_json: str, bos: int | None, eos_ids: tuple[int, ...], vocab_size: int) -> list:
+    """llama.cpp's tokenizer metadata for a byte-level BPE tokenizer.json ('gpt2', its pre-tokenizer named as
+    llama.cpp names it), plus the file itself as tokenizer.huggingface.json (llama.cpp's metadata has no place for
+    every normalizer, e.g. lowercasing) and every EOS id (llama.cpp's keys hold one)."""
+    from ref.common.tokenizer import pre_tokenizer_name
     tj = json.loads(tokenizer_json)
     model = tj.get("model", {})
     if model.get("type") != "BPE":
@@ -436,24 +459,32 @@ def tokenizer_kv(tokenizer_json: str, cfg: ModelConfig) -> list:
         vocab[t["content"]] = t["id"]
         if t.get("special"):
             special.add(t["id"])
-    n = max(cfg.vocab_size, max(vocab.values()) + 1)
+    n = max(vocab_size, max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(n)]
     for s, i in vocab.items():
         tokens[i] = s
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     types = [3 if i in special else 1 for i in range(n)]  # CONTROL, NORMAL
-    kv = [("add_tokenizer_model", "gpt2"), ("add_tokenizer_pre", "default"), ("add_token_list", tokens),
-          ("add_token_types", types), ("add_token_merges", merges), ("add_add_bos_token", cfg.bos_token_id is not None),
+    kv = [("add_tokenizer_model", "gpt2"), ("add_tokenizer_pre", pre_tokenizer_name(tj)), ("add_token_list", tokens),
+          ("add_token_types", types), ("add_token_merges", merges), ("add_add_bos_token", bos is not None),
           ("add_string", "tokenizer.huggingface.json", tokenizer_json)]
-    if cfg.bos_token_id is not None:
-        kv.append(("add_bos_token_id", cfg.bos_token_id))
-    if cfg.eos_token_ids:
-        kv.append(("add_eos_token_id", cfg.eos_token_ids[0]))
+    if bos is not None:
+        kv.append(("add_bos_token_id", bos))
+    if eos_ids:
+        kv += [("add_eos_token_id", eos_ids[0]), ("add_array", EOS_IDS_KEY, list(eos_ids))]
     return kv
 
 
-def model_kv(cfg: ModelConfig, arch: str, fmt: Format, name: str) -> list:
-    """llama.cpp's model metadata for a config."""
+def copied_kv(meta: Metadata, prefix: str) -> list:
+    """The metadata keys under `prefix` of a file read, with their GGUF types, to write into another file."""
+    from gguf import GGUFValueType
+    return [("add_key_value", k, v, GGUFValueType(meta.types[k][0]),
+             None if meta.types[k][1] is None else GGUFValueType(meta.types[k][1]))
+            for k, v in meta.fields.items() if k.startswith(prefix)]
+
+
+def model_kv(cfg: ModelConfig, fmt: Format, name: str) -> list:
+    """llama.cpp's model metadata for a config (its architecture: names.gguf_architecture)."""
     kv = [("add_name", name), ("add_file_type", FILE_TYPES[fmt.name]), ("add_context_length", cfg.max_seq_len),
           ("add_embedding_length", cfg.d_model), ("add_block_count", cfg.n_layers),
           ("add_feed_forward_length", cfg.d_ffn), ("add_rope_dimension_count", cfg.head_dim),
@@ -463,6 +494,8 @@ def model_kv(cfg: ModelConfig, arch: str, fmt: Format, name: str) -> list:
           ("add_float32", ACT_PARAM_KEY, cfg.act_threshold)]
     if cfg.head_dim != cfg.d_model // cfg.n_heads:
         kv += [("add_key_length", cfg.head_dim), ("add_value_length", cfg.head_dim)]
+    if cfg.rope_scaling[:1] == ("linear",):
+        kv += [("add_rope_scaling_type", gguf_rope_type("linear")), ("add_rope_scaling_factor", cfg.rope_scaling[1])]
     if fmt.quantized:
         kv.append(("add_quantization_version", 2))
     return kv

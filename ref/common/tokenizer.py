@@ -11,7 +11,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
-from ref.common.gguf_io import gguf_metadata, is_gguf
+from ref.common.gguf_io import EOS_IDS_KEY, gguf_metadata, is_gguf
 
 
 class Tokenizer:
@@ -128,7 +128,8 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
     how = PRE_TOKENIZERS.get(pre, Pre())
     adds = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or how.adds_bos)
     bos = meta.get("tokenizer.ggml.bos_token_id") if adds else None
-    eos_ids = tuple(dict.fromkeys(meta.get(key) for key in EOG_KEYS if meta.get(key) is not None))
+    eos_ids = tuple(dict.fromkeys([meta.get(key) for key in EOG_KEYS if meta.get(key) is not None]
+                                  + meta.get(EOS_IDS_KEY, [])))
     hf_json = meta.get("tokenizer.huggingface.json")
     if hf_json is not None:
         try:
@@ -141,6 +142,8 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
     for key in ("tokenizer.ggml.bos_token_id", *EOG_KEYS, "tokenizer.ggml.unknown_token_id"):
         if not 0 <= meta.get(key, 0) < len(tokens):
             raise UserError(f"{path}: metadata key '{key}' is {meta.get(key)}, not a token id (of {len(tokens)})")
+    if not all(0 <= i < len(tokens) for i in eos_ids):
+        raise UserError(f"{path}: metadata key '{EOS_IDS_KEY}' holds an id past the {len(tokens)} tokens")
     for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
         if len(meta.get(key) or tokens) != len(tokens):
             raise UserError(f"{path}: metadata key '{key}' has {len(meta.get(key))} entries for {len(tokens)} tokens")

@@ -17,7 +17,7 @@ from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
-from ref.common.gguf_io import read_gguf, rope_rows
+from ref.common.gguf_io import gguf_metadata, read_gguf, rope_rows
 from ref.common.safetensors import upcast
 from ref.common.tokenizer import load_tokenizer
 from ref.quant import Transposed, predictor_format, predictors_beside, quantize, values
@@ -134,6 +134,7 @@ def test_tokenizer_from_llama_cpp_metadata_alone(files, tmp_path):
         f = r.fields[k]
         w.add_key_value(k, f.contents(), f.types[0], f.types[-1])
     w.add_bos_token_id(1)
+    w.add_add_bos_token(True)  # a 'gpt2' vocabulary of the default pre-tokenizer adds none unless the file says so
     w.add_eos_token_id(2)
     w.add_tokenizer_model("gpt2")
     w.write_header_to_file()
@@ -232,10 +233,42 @@ def test_convert_bad_flags(tmp_path, args, expect):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_convert_of_a_gguf_file_says_so(files, tmp_path):
-    r = convert(files["f16"], "-o", tmp_path / "x.gguf")
-    assert r.returncode == 1 and "a GGUF file already" in r.stderr and r.stderr.count("\n") == 1
+def test_convert_a_llama_cpp_file_to_a_powerinfer_file(files, tmp_path):
+    """llama.cpp's q8_0 file (ffn_down quantized along F) + predictors -> our layout, as llama-quantize takes a GGUF
+    in: ffn_down_t re-laid once, every other tensor copied as it is; its load is a memory map and computes what
+    the engine computes when it re-lays the same file at load."""
+    pred = SHIPPED / "predictors.safetensors"
+    r = convert(files["dense"], "-o", tmp_path / "p.gguf", "--predictors", pred)
+    assert r.returncode == 0 and "PowerInfer GGUF, q8_0" in r.stdout, r.stderr
+    a, b = read_gguf(files["dense"]), read_gguf(tmp_path / "p.gguf")
+    assert b.kind == "powerinfer" and isinstance(b.tensors["layers.0.wd"], Transposed)
+    for name, t in a.tensors.items():
+        if not name.endswith(".wd"):
+            assert np.array_equal(np.asarray(t.blocks if hasattr(t, "blocks") else t).view(np.uint8),
+                                  np.asarray(b.tensors[name].blocks if hasattr(t, "blocks") else b.tensors[name]
+                                             ).view(np.uint8)), name
+    assert gguf_metadata(tmp_path / "p.gguf").fields["tokenizer.ggml.tokens"] == a.meta.fields["tokenizer.ggml.tokens"]
+    relaid = apply_predictors(Engine.load(files["dense"]), b.predictors)  # as the file stores them (q8_0)
+    mapped = apply_predictors(Engine.load(tmp_path / "p.gguf"), b.predictors)
+    assert_close(mapped.logits(IDS), relaid.logits(IDS), rtol=1e-6)
+    r = convert(tmp_path / "p.gguf", "-o", tmp_path / "d.gguf", "--dense", "--type", "q4_0")  # and back, requantized
+    assert r.returncode == 0 and "llama.cpp GGUF, q4_0" in r.stdout, r.stderr
+    assert not isinstance(read_gguf(tmp_path / "d.gguf").tensors["layers.0.wd"], Transposed)
+
+
+@pytest.mark.parametrize("args, expect", [
+    ([], "a GGUF file without predictors; --predictors FILE adds them"),
+    (["--type", "q5_k"], "--type: unknown format 'q5_k'")])
+def test_convert_of_a_gguf_file_bad_flags(files, tmp_path, args, expect):
+    r = convert(files["dense"], "-o", tmp_path / "x.gguf", *args)
+    assert r.returncode == 1 and expect in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_onto_its_own_input_is_one_line(files, tmp_path):
+    shutil.copy(files["dense"], tmp_path / "m.gguf")
+    r = convert(tmp_path / "m.gguf", "-o", tmp_path / "m.gguf", "--dense", "--force")
+    assert r.returncode == 1 and "the file being read" in r.stderr and r.stderr.count("\n") == 1
 
 
 def test_convert_refuses_to_overwrite(files):
@@ -278,15 +311,28 @@ def test_a_signalled_conversion_leaves_nothing(tmp_path, sig, code, last):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("variant, what", [("qwen2", "q/k/v biases"), ("qwen3", "q/k norms"),
-                                           ("llama3-rope", "llama3 RoPE scaling")])
-def test_convert_refuses_what_the_llama_architecture_cannot_hold(tmp_path, variant, what):
-    """llama.cpp's llama architecture has no q/k/v biases, q/k norms or Llama-3 frequencies: such a file would be
-    another model, so fast.convert says so in one line (these run from their folders)."""
+@pytest.mark.parametrize("variant", ["llama3-rope", "llama-linear-rope", "mistral-window", "qwen2", "qwen3"])
+def test_convert_writes_what_llama_cpps_converter_writes(tmp_path, variant):
+    """Each LLaMA-family variant written by fast.convert --dense (f32) holds the tensors llama.cpp's own
+    convert_hf_to_gguf.py wrote for it (tests/families/*/llama.cpp.gguf): the same architecture, names and values
+    (Q/K rows permuted for llama only, rope_freqs for Llama-3's scaling, linear scaling in the metadata), and gives
+    transformers' logits."""
     from tests.helpers import FAMILIES
-    r = convert(FAMILIES / variant, "-o", tmp_path / "x.gguf", "--dense")
-    assert r.returncode == 1 and f"with {what} is not written yet" in r.stderr and r.stderr.count("\n") == 1
-    assert list(tmp_path.iterdir()) == []
+    from tests.ref.test_families import check_golden
+    r = convert(FAMILIES / variant, "-o", tmp_path / "x.gguf", "--dense", "--type", "f32")
+    assert r.returncode == 0, r.stderr
+    ours, theirs = gguf.GGUFReader(tmp_path / "x.gguf"), gguf.GGUFReader(FAMILIES / variant / "llama.cpp.gguf")
+    assert ours.fields["general.architecture"].contents() == theirs.fields["general.architecture"].contents()
+    for key in ("rope.scaling.type", "rope.scaling.factor", "rope.freq_base"):
+        key = f"{theirs.fields['general.architecture'].contents()}.{key}"
+        assert (key in ours.fields) == (key in theirs.fields), key
+        if key in theirs.fields:
+            assert ours.fields[key].contents() == pytest.approx(theirs.fields[key].contents()), key
+    want = {t.name: t for t in theirs.tensors}
+    assert sorted(t.name for t in ours.tensors) == sorted(want)
+    for t in ours.tensors:
+        assert_close(np.asarray(t.data), np.asarray(want[t.name].data), rtol=1e-6, name=t.name)
+    check_golden(ref.load_model(tmp_path / "x.gguf"), variant)
 
 
 def test_convert_to_a_folder_is_one_line(tmp_path):

@@ -14,7 +14,7 @@ from ref.common.checkpoint import load_checkpoint
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
-from ref.common.gguf_io import model_kv, write_gguf
+from ref.common.gguf_io import EOS_IDS_KEY, model_kv, write_gguf
 from ref.common.safetensors import upcast
 from ref.common.weights import Weights
 from tests.helpers import write_model
@@ -52,7 +52,7 @@ def gguf_file(folder):
     from fast.convert import plan
     cfg = ModelConfig.from_hf(folder)
     out = folder.parent / "m.gguf"
-    write_gguf(out, "gguf", "llama", model_kv(cfg, "llama", FORMATS["q8_0"], "fuzz"),
+    write_gguf(out, "gguf", "llama", model_kv(cfg, FORMATS["q8_0"], "fuzz"),
                plan(Weights.load(folder, cfg), FORMATS["q8_0"], None))
     return out
 
@@ -219,10 +219,12 @@ def f32_gguf(folder):
     cfg = ModelConfig.from_hf(folder)
     out = folder.parent / "f32.gguf"
     tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(cfg.vocab_size - 3)]
-    kv = model_kv(cfg, "llama", FORMATS["f32"], "fuzz") + [
+    kv = model_kv(cfg, FORMATS["f32"], "fuzz") + [
         ("add_tokenizer_model", "llama"), ("add_token_list", tokens), ("add_token_scores", [0.0] * len(tokens)),
         ("add_token_types", [2, 3, 3] + [1] * (len(tokens) - 3)), ("add_bos_token_id", 1), ("add_eos_token_id", 2),
-        ("add_unk_token_id", 0), ("add_string", "tokenizer.chat_template", "{{ messages[0]['content'] }}")]
+        ("add_unk_token_id", 0), ("add_string", "tokenizer.chat_template", "{{ messages[0]['content'] }}"),
+        ("add_tokenizer_pre", "default"), ("add_add_bos_token", True), ("add_eot_token_id", 2), ("add_eom_token_id", 2),
+        ("add_bool", "tokenizer.ggml.normalizer.lowercase", False), ("add_array", EOS_IDS_KEY, [2])]
     write_gguf(out, "gguf", "llama", kv, plan(Weights.load(folder, cfg), FORMATS["f32"], None))
     _, fields, tensors = Parser(out).read()
     return fields, [(t.name, t.shape, np.array(t.data)) for t in tensors]
