@@ -26,7 +26,7 @@ from ref.common.artifacts import Predictors, check_predictor_shapes
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
-from ref.common.names import GGUF_ARCHITECTURES, expected_shapes, gguf_architecture, gguf_name
+from ref.common.names import GGUF_ARCHITECTURES, expected_shapes, gguf_name
 from ref.common.safetensors import BF16
 from ref.quant import Quantized, Transposed, blocks
 
