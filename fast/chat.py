@@ -85,9 +85,21 @@ class ChatTemplate:
             raise UserError(f"chat template: {e}") from None
         self.bos_token, self.eos_token = bos_token, eos_token
 
+    @classmethod
+    def of(cls, source: str | None, tokenizer) -> "ChatTemplate":
+        """A template with the tokenizer's BOS and first EOS as `bos_token` and `eos_token`."""
+        def text(i):
+            return (tokenizer.tok.id_to_token(i) or "") if i is not None else ""
+        return cls(source, text(tokenizer.bos_id), text(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
+
     @staticmethod
     def raise_exception(message):
         raise TemplateError(message)
+
+    def encode(self, tokenizer, text: str) -> list[int]:
+        """A rendered prompt's ids as transformers' apply_chat_template gives them: the template writes BOS where the
+        model wants one (`bos_token`), so none is added; the plain fallback, which has no BOS, gets the model's."""
+        return tokenizer.encode(text, bos=self.is_fallback)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if self.is_fallback and extra.get("tools"):

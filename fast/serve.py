@@ -57,9 +57,7 @@ class Server:
 
 def chat_template(path: Path, tokenizer) -> ChatTemplate:
     """The model's chat template, compiled now: one that does not compile stops the server at start."""
-    bos = tokenizer.tok.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
-    eos = tokenizer.tok.id_to_token(tokenizer.eos_ids[0]) if tokenizer.eos_ids else ""
-    return ChatTemplate(model_template(path), bos or "", eos or "")
+    return ChatTemplate.of(model_template(path), tokenizer)
 
 
 def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: int, alias: str | None,
@@ -260,7 +258,7 @@ def create_app(server: Server):
         except TemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         server.check_length(text, "messages")
-        ids = await off_loop(len(text), sched.tokenizer.encode, text)
+        ids = await off_loop(len(text), server.template.encode, sched.tokenizer, text)
         return await respond(request, ids, params, stream, chat=True)
 
     async def respond(request: HttpRequest, ids: list[int], params: Params, stream: bool, chat: bool):

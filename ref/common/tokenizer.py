@@ -22,11 +22,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, led by BOS when the model has one. (encode_batch lets other Python threads run while
-        it works, as encode does not: a server's event loop goes on answering during a long prompt.)"""
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text`, led by BOS when the model has one and `bos` asks (a chat template writes its own).
+        (encode_batch lets other Python threads run while it works, as encode does not: a server's event loop goes
+        on answering during a long prompt.)"""
         ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
+        return ([self.bos_id] if self.bos_id is not None and bos else []) + ids
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)

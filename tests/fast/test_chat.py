@@ -7,6 +7,10 @@ import pytest
 pytest.importorskip("jinja2")
 from fast.chat import MAX_TEXT, ChatTemplate, TemplateError, model_template  # noqa: E402
 from ref.common.errors import UserError  # noqa: E402
+from ref.common.tokenizer import load_tokenizer  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
+
+VOCABS = ROOT / "tests" / "vocab"
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -42,3 +46,19 @@ def test_a_bad_tokenizer_config_is_one_line(tmp_path, text, message):
         model_template(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x"}))
     assert model_template(tmp_path) == "x"
+
+
+GOLDEN = json.loads((VOCABS / "chat_golden.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name, case", [(name, i) for name, cases in GOLDEN["templates"].items()
+                                        for i in range(len(cases))])
+def test_prompt_ids_are_apply_chat_templates(name, case):
+    """Llama-3.1's, Qwen2.5's and Qwen3's templates with their real tokenizers (llama.cpp's vocabulary files): the
+    server's prompt ids for a conversation (tools included) are transformers' apply_chat_template(...,
+    add_generation_prompt=True), one BOS where the template writes it (scripts/make_template_goldens.py)."""
+    g = GOLDEN["templates"][name][case]
+    tok = load_tokenizer(VOCABS / ("ggml-vocab-llama-bpe.gguf" if name.startswith("meta-llama") else "ggml-vocab-qwen2.gguf"))
+    t = ChatTemplate.of((VOCABS / "templates" / name).read_text(encoding="utf-8"), tok)
+    text = t.render(g["messages"], tools=g["tools"], add_generation_prompt=True, **GOLDEN["extra"])
+    assert t.encode(tok, text) == g["ids"]
