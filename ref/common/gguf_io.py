@@ -180,7 +180,7 @@ class Parser:
 KEY_TYPES = {
     "general.architecture": str, ".embedding_length": int, ".attention.head_count": int,
     ".attention.head_count_kv": int, ".attention.key_length": int, ".rope.dimension_count": int,
-    ".feed_forward_length": int, ".block_count": int, ".context_length": int, ".vocab_size": int,
+    ".feed_forward_length": int, ".block_count": int, ".expert_count": int, ".context_length": int, ".vocab_size": int,
     ".attention.layer_norm_rms_epsilon": float, ".rope.freq_base": float, ".rope.scaling.type": str,
     ".rope.scaling.factor": float, "tokenizer.ggml.model": str, "tokenizer.ggml.tokens": [str],
     "tokenizer.ggml.merges": [str], "tokenizer.ggml.scores": [float], "tokenizer.ggml.token_type": [int],
@@ -235,6 +235,9 @@ def config_from_gguf(meta: Metadata, kind: str, tied: bool) -> ModelConfig:
     arch = meta.need("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UserError(f"{meta.path}: architecture '{arch}' is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
+    if meta.get(f"{arch}.expert_count", 0):  # Mixtral is written as llama with experts
+        raise UserError(f"{meta.path}: a mixture-of-experts model ({arch}.expert_count "
+                        f"{meta.get(f'{arch}.expert_count')}) is not supported")
     D, H = meta.need(f"{arch}.embedding_length"), meta.need(f"{arch}.attention.head_count")
     tokens = meta.get("tokenizer.ggml.tokens")
     raw = {

@@ -2,6 +2,7 @@
 fast on the HF folder computes at that format; PowerInfer's files run sparse with their own predictors; bad files
 are one clear line."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -155,9 +156,12 @@ def test_run_a_powerinfer_file_sparse_without_flags(files):
 
 # ---------------------------------------------------------------------------------------------------- bad input
 
-def test_unknown_architecture(tmp_path):
-    with pytest.raises(UserError, match="architecture 'gpt2' is not supported"):
-        read_gguf(write_gguf(tmp_path / "a.gguf", arch="gpt2"))
+@pytest.mark.parametrize("arch, kv, message", [
+    ("gpt2", {}, "architecture 'gpt2' is not supported"), ("qwen2moe", {}, "architecture 'qwen2moe' is not supported"),
+    ("llama", {"expert_count": 8}, "a mixture-of-experts model (llama.expert_count 8) is not supported")])
+def test_unknown_architecture(tmp_path, arch, kv, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_gguf(write_gguf(tmp_path / "a.gguf", arch=arch, **kv))
 
 
 def test_unknown_tensor_type(files, tmp_path):
