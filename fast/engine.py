@@ -87,15 +87,15 @@ class Layer:
     # then holds no rows, gate_up the gate and up rows (bundled re-lays it for the sparse kernels)
 
 
-def as_format(t, fmt: Format) -> np.ndarray:
+def as_format(t, fmt: Format, name: str = "tensor") -> np.ndarray:
     """A stored tensor, or rows of blocks, as rows of fmt's blocks: itself (a view) where it is in fmt already."""
     b = plain(t) if isinstance(t, np.ndarray) and t.dtype.names else blocks(t)
-    return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt))
+    return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt, name))
 
 
-def as_matmul(t, fmt: Format) -> np.ndarray:
+def as_matmul(t, fmt: Format, name: str = "tensor") -> np.ndarray:
     """A matrix in fmt, laid out for fast.cpu.matmul (for_matmul: q8_0/q4_0 rows interleaved)."""
-    return for_matmul(as_format(t, fmt))
+    return for_matmul(as_format(t, fmt, name))
 
 
 def vector(w: Weights, name: str) -> np.ndarray:
@@ -113,7 +113,7 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
         return vector(w, p + name)
 
     def mat(name):
-        return as_format(w[p + name], fmt)
+        return as_format(w[p + name], fmt, p + name)
 
     if c.fused_qkv:
         rows = qkv_rows(c.n_heads, c.n_kv_heads, c.head_dim)
@@ -123,17 +123,18 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
         bqkv = np.concatenate([vec("wq.bias"), vec("wk.bias"), vec("wv.bias")])
     qk_norms = np.stack([vec("q_norm"), vec("k_norm")]) if c.qk_norm else NO_NORMS
     if isinstance(w[p + "wd"], Quantized):  # llama.cpp's ffn_down, quantized along F: run as stored, dense
-        return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt), vec("ffn_norm"),
+        return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"),
                      np.empty((c.d_ffn, 0, c.d_model // fmt.block), fmt.dtype), vec("attn_norm.bias"), bqkv,
                      vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"),
                      gate_up=as_matmul(np.concatenate([mat("wg"), mat("wu")]), fmt), qk_norms=qk_norms,
-                     down=as_matmul(w[p + "wd"], fmt))
+                     down=as_matmul(w[p + "wd"], fmt, p + "wd"))
     rows = ["wg", "wu"] if c.gated else ["wu"]
     bundle = np.empty((c.d_ffn, len(rows) + 1, c.d_model // fmt.block), fmt.dtype)
     for i, name in enumerate(rows):
         bundle[:, i] = mat(name)
-    bundle[:, -1] = as_format(w[p + "wd"].T, fmt)
-    return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt), vec("ffn_norm"), for_sparse(bundle),
+    bundle[:, -1] = as_format(w[p + "wd"].T, fmt, p + "wd")
+    return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"),
+                 for_sparse(bundle),
                  vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"),
                  qk_norms=qk_norms)
 
@@ -255,9 +256,9 @@ class Engine(Decoder):
             layers.append(layout(w, l, fmt))
             w.release()  # the layout is a copy: keep one, not the file's pages too
 
-        embed = as_format(w["embed"], fmt)
-        lm_head = embed if cfg.tie_word_embeddings else as_matmul(w["lm_head"], fmt)
-        projections = [as_matmul(w[n], fmt) for n in ("project_in", "project_out")] if cfg.embed_dim else [None, None]
+        embed = as_format(w["embed"], fmt, "embed")
+        lm_head = embed if cfg.tie_word_embeddings else as_matmul(w["lm_head"], fmt, "lm_head")
+        projections = [as_matmul(w[n], fmt, n) for n in ("project_in", "project_out")] if cfg.embed_dim else [None, None]
         w.release()  # interleaved, lm_head is a copy too
         engine = Engine(cfg, layers, embed, vector(w, "norm"), lm_head, threads, fmt, vector(w, "norm.bias"),
                         vector(w, "pos_embed") if cfg.positions == "learned" else None, *projections)

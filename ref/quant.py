@@ -205,11 +205,12 @@ def quantize_predictors(pred: Predictors, fmt: str | Format) -> Predictors:
 
 def quantize_model(model, fmt: str | Format):
     """Store every matrix of `model` (embedding, attention, FFN, output) in `fmt`, the down matrix as its transpose;
-    norms stay as they are. A transform: the model code is unchanged and computes with the stored values."""
+    norms and OPT's learned positions (a table added, as the engine keeps it) stay as they are. A transform: the
+    model code is unchanged and computes with the stored values."""
     fmt = fmt if isinstance(fmt, Format) else format_of(fmt)
     tensors = model.weights.tensors
     for name, t in tensors.items():
-        if len(t.shape) != 2:
+        if len(t.shape) != 2 or name == "pos_embed":
             continue
         if name.endswith(".wd"):
             tensors[name] = Transposed(quantize(upcast(t).T, fmt, name))

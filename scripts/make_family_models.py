@@ -7,8 +7,9 @@ golden.safetensors: the logits transformers computes in float64 for fixed prompt
 `prompts.{j}.logits`), the oracle tests/ref/test_families.py holds ref and fast to. Needs the `train` extra
 (torch, transformers); nothing else imports them.
 
-With `--llama-cpp DIR` (a llama.cpp source tree), each LLaMA-family variant also gets llama.cpp.gguf: the folder as
-llama.cpp's own convert_hf_to_gguf.py writes it (f32), which is what users download. Its pre-tokenizer is named by
+With `--llama-cpp DIR` (a llama.cpp source tree), each LLaMA-family variant also gets llama.cpp.gguf and
+llama.cpp-q8_0.gguf: the folder as llama.cpp's own convert_hf_to_gguf.py writes it (f32, q8_0), which is what users
+download. Its pre-tokenizer is named by
 ref.common.tokenizer's table: the converter's list of tokenizer hashes does not know the shipped tokenizer.
 
     python scripts/make_family_models.py -o tests/families --llama-cpp ~/llama.cpp
@@ -114,19 +115,20 @@ def main(out_dir: Path, variants, seed: int, llama_cpp: Path | None) -> None:
     for name in variants or VARIANTS:
         make(name, out_dir / name, seed)
         if llama_cpp is not None and name in GGUF_VARIANTS:
-            llama_cpp_gguf(llama_cpp, out_dir / name, out_dir / name / "llama.cpp.gguf")
+            for outtype, file in (("f32", "llama.cpp.gguf"), ("q8_0", "llama.cpp-q8_0.gguf")):
+                llama_cpp_gguf(llama_cpp, out_dir / name, out_dir / name / file, outtype)
         click.echo(f"{out_dir / name}: written")
 
 
-def llama_cpp_gguf(llama_cpp: Path, folder: Path, out: Path) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on `folder`, in this process, f32."""
+def llama_cpp_gguf(llama_cpp: Path, folder: Path, out: Path, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on `folder`, in this process, its matrices in `outtype` (f32, q8_0)."""
     sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py"), str(ROOT)]
     import convert_hf_to_gguf
     from conversion.base import TextModel
     from ref.common.tokenizer import pre_tokenizer_name
     TextModel.get_vocab_base_pre = lambda self, tokenizer: pre_tokenizer_name(
         json.loads((self.dir_model / "tokenizer.json").read_text(encoding="utf-8")))
-    argv, sys.argv = sys.argv, ["convert_hf_to_gguf.py", str(folder), "--outtype", "f32", "--outfile", str(out)]
+    argv, sys.argv = sys.argv, ["convert_hf_to_gguf.py", str(folder), "--outtype", outtype, "--outfile", str(out)]
     try:
         convert_hf_to_gguf.main()
     finally:
