@@ -37,14 +37,20 @@ def test_train_predictors_reports_what_it_sampled(tmp_path):
 
 
 def test_pipeline_on_every_family(tmp_path):
-    """Profile, predictors, evaluation and placement on the tiny OPT (post-norm) and Falcon (parallel) checkpoints:
-    the window defaults to their 64-token context; the predictors read each family's FFN block input."""
+    """Profile, predictors and evaluation on the tiny OPT (post-norm) and Falcon (parallel) checkpoints, and on Qwen2
+    (q/k/v biases) and Qwen3 (q/k norms) ReLU-fied: the window defaults to their 64-token context; the predictors
+    read each family's FFN block input."""
     import json
+    import shutil
 
-    from tests.helpers import FAMILIES
-    for variant in ("opt-post-ln", "falcon-gqa"):
-        m, out = FAMILIES / variant, tmp_path / variant
-        out.mkdir()
+    from tests.helpers import FAMILIES, variant_copy
+    relufied = []
+    for variant in ("qwen2", "qwen3"):
+        relufied.append(variant_copy(tmp_path / f"{variant}-relu", variant, {"hidden_act": "relu"}))
+        shutil.copy(FAMILIES / variant / "tokenizer.json", relufied[-1] / "tokenizer.json")
+    for m in (FAMILIES / "opt-post-ln", FAMILIES / "falcon-gqa", *relufied):
+        out = tmp_path / "out" / m.name
+        out.mkdir(parents=True)
         r = CliRunner().invoke(load_script("profile").main, [str(m), "-o", str(out / "a.safetensors"),
                                                               "--max-tokens", "300"])
         assert r.exit_code == 0, r.output
