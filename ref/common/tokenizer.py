@@ -113,7 +113,8 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
     steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
     split = next((p.get("pattern", {}).get("Regex") for p in steps if isinstance(p, dict) and p.get("type") == "Split"
                   and isinstance(p.get("pattern"), dict)), None)
-    nfc = (tokenizer_json.get("normalizer") or {}).get("type") == "NFC"
+    norm = tokenizer_json.get("normalizer") or {}
+    nfc = [n.get("type") for n in norm.get("normalizers", [norm])] == ["NFC"]
     return next((name for name, how in PRE_TOKENIZERS.items() if (how.split, how.nfc) == (split, nfc)), "default")
 
 
@@ -162,7 +163,7 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         steps = [normalizers.NFC()] * how.nfc + [normalizers.Lowercase()] * meta.get(LOWERCASE_KEY, False)
         if steps:
-            tok.normalizer = normalizers.Sequence(steps)
+            tok.normalizer = steps[0] if len(steps) == 1 else normalizers.Sequence(steps)
         tok.decoder = decoders.ByteLevel()
     elif kind == "llama":
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)

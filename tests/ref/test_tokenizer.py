@@ -81,3 +81,14 @@ def test_llama_cpp_converted_file_tokenizes_as_its_folder(name):
     text = "Once upon a TIME, Lily saw a big dog. She said: \"Hello!\" 3333"
     got, want = ref.load_tokenizer(FAMILIES / name / "llama.cpp.gguf"), ref.load_tokenizer(FAMILIES / name)
     assert got.encode(text)[got.bos_id is not None:] == want.encode(text)[want.bos_id is not None:]
+
+
+@pytest.mark.parametrize("name", ["llama-bpe", "qwen2"])
+def test_a_tokenizer_json_is_named_as_llama_cpp_names_it(name):
+    """The writer's side of PRE_TOKENIZERS: the tokenizer.json of Llama-3's or Qwen2's tokenizer gets the
+    tokenizer.ggml.pre that llama.cpp's converter gives it; another split is 'default'."""
+    import json
+    from ref.common.tokenizer import pre_tokenizer_name
+    tj = json.loads(ref.load_tokenizer(VOCABS / f"ggml-vocab-{name}.gguf").tok.to_str())
+    assert pre_tokenizer_name(tj) == name
+    assert pre_tokenizer_name(json.loads((SHIPPED / "tokenizer.json").read_text())) == "default"
