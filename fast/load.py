@@ -80,7 +80,9 @@ def memory_available() -> int:
 def check_memory(path, cfg, fmt: Format) -> None:
     """Refuse, before loading, a model whose laid-out weights and KV cache exceed the memory available (instead of
     the kernel killing the process half-way): the bytes it needs and the bytes there are."""
-    weights = sum(fmt.nbytes(s) if len(s) == 2 else 4 * s[0] for s in expected_shapes(cfg).values())
+    shapes = expected_shapes(cfg)
+    weights = sum(fmt.nbytes(s) if len(s) == 2 else 4 * s[0] for s in shapes.values())
+    weights += fmt.nbytes(shapes["embed"]) if cfg.tie_word_embeddings and fmt.quantized else 0  # engine.tied_head
     kv = 2 * cfg.n_layers * cfg.max_seq_len * cfg.n_kv_heads * cfg.head_dim * 4
     need, have = weights + kv, memory_available()
     if need > have:
