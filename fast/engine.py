@@ -124,24 +124,23 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
 
     if c.fused_qkv:
         rows = qkv_rows(c.n_heads, c.n_kv_heads, c.head_dim)
-        wqkv, bqkv = mat("wqkv")[rows], vec("wqkv.bias")[rows] if c.bias else EMPTY
+        wqkv, bqkv = for_matmul(mat("wqkv")[rows]), vec("wqkv.bias")[rows] if c.bias else EMPTY
     else:
-        wqkv = np.concatenate([mat("wq"), mat("wk"), mat("wv")])
+        wqkv = for_matmul(mat("wq"), mat("wk"), mat("wv"))  # [q | k | v]
         bqkv = np.concatenate([vec("wq.bias"), vec("wk.bias"), vec("wv.bias")])
     qk_norms = np.stack([vec("q_norm"), vec("k_norm")]) if c.qk_norm else NO_NORMS
     if isinstance(w[p + "wd"], Quantized):  # llama.cpp's ffn_down, quantized along F: run as stored, dense
-        return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"),
+        return Layer(vec("attn_norm"), wqkv, as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"),
                      np.empty((c.d_ffn, 0, c.d_model // fmt.block), fmt.dtype), vec("attn_norm.bias"), bqkv,
                      vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"),
-                     gate_up=as_matmul(np.concatenate([mat("wg"), mat("wu")]), fmt), qk_norms=qk_norms,
+                     gate_up=for_matmul(mat("wg"), mat("wu")), qk_norms=qk_norms,
                      down=as_matmul(w[p + "wd"], fmt, p + "wd"))
     rows = ["wg", "wu"] if c.gated else ["wu"]
     bundle = np.empty((c.d_ffn, len(rows) + 1, c.d_model // fmt.block), fmt.dtype)
     for i, name in enumerate(rows):
         bundle[:, i] = mat(name)
     bundle[:, -1] = as_format(w[p + "wd"].T, fmt, p + "wd")
-    return Layer(vec("attn_norm"), for_matmul(wqkv), as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"),
-                 for_sparse(bundle),
+    return Layer(vec("attn_norm"), wqkv, as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"), for_sparse(bundle),
                  vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"),
                  qk_norms=qk_norms)
 
@@ -616,7 +615,7 @@ def dense_ffn(engine: Engine) -> Engine:
     for L in engine.layers:
         if L.gate_up is None and L.bundle.shape[1] == 3:
             rows = plain(L.bundle)  # [F, 3, B]
-            L.gate_up = for_matmul(np.concatenate([rows[:, 0], rows[:, 1]]))
+            L.gate_up = for_matmul(rows[:, 0], rows[:, 1])
             L.bundle = np.ascontiguousarray(rows[:, 2:])
     engine.layers_changed()
     return engine

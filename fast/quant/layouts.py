@@ -113,13 +113,18 @@ def _n_rows(w):
     return lambda w: w.shape[0] * per
 
 
-def interleave(w: np.ndarray) -> np.ndarray:
-    """A matrix [N, B] of q8_0 or q4_0 blocks as groups of ROWS rows [N / ROWS, B] (INTERLEAVED); N % ROWS == 0."""
-    name = layout_of(w).format.name
-    (N, B), size = w.shape, FORMATS[name].block_bytes
-    out = np.empty((N // ROWS, B), INTERLEAVED[name])
-    interleave_bytes(out.view(np.uint8).reshape(N // ROWS, B, ROWS * size),
-                     np.ascontiguousarray(w).view(np.uint8).reshape(N, B, size), np.uint8(0x80 if name == "q8_0" else 0))
+def interleave(*parts: np.ndarray) -> np.ndarray:
+    """Matrices [N_i, B] of q8_0 or q4_0 blocks, stacked, as groups of ROWS rows [sum N_i / ROWS, B] (INTERLEAVED;
+    each N_i % ROWS == 0): each part written into its groups, no stacked copy first."""
+    name = layout_of(parts[0]).format.name
+    B, size = parts[0].shape[1], FORMATS[name].block_bytes
+    out = np.empty((sum(p.shape[0] for p in parts) // ROWS, B), INTERLEAVED[name])
+    at = 0
+    for p in parts:
+        interleave_bytes(out[at:at + p.shape[0] // ROWS].view(np.uint8).reshape(-1, B, ROWS * size),
+                         np.ascontiguousarray(p).view(np.uint8).reshape(-1, B, size),
+                         np.uint8(0x80 if name == "q8_0" else 0))
+        at += p.shape[0] // ROWS
     return out
 
 
@@ -190,9 +195,13 @@ def plain(w: np.ndarray) -> np.ndarray:
     return out.reshape(G * ROWS, B)
 
 
-def for_matmul(w: np.ndarray) -> np.ndarray:
-    """A matrix [N, B] as fast.cpu.matmul reads it fastest: q8_0 and q4_0 rows interleaved in groups (INTERLEAVED)
-    where N divides by ROWS; other formats and shapes as they are; on huge pages (fast.pages)."""
-    lay = layout_of(w)
-    fast = lay.name == "rows" and lay.format.quantized and w.ndim == 2 and w.shape[0] % ROWS == 0
-    return on_huge_pages(interleave(w) if fast else w)
+def for_matmul(*parts: np.ndarray) -> np.ndarray:
+    """A matrix [N, B] (or matrices stacked: [q | k | v], [gate | up]) as fast.cpu.matmul reads it fastest: q8_0
+    and q4_0 rows interleaved in groups (INTERLEAVED) where each part's N divides by ROWS; other formats and shapes
+    as they are; on huge pages (fast.pages)."""
+    lays = [layout_of(w) for w in parts]
+    fast = all(lay.name == "rows" and lay.format.quantized and w.ndim == 2 and w.shape[0] % ROWS == 0
+               for lay, w in zip(lays, parts))
+    if fast:
+        return on_huge_pages(interleave(*parts))
+    return on_huge_pages(parts[0] if len(parts) == 1 else np.concatenate(parts))
