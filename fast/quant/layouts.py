@@ -197,11 +197,10 @@ def plain(w: np.ndarray) -> np.ndarray:
 
 def for_matmul(*parts: np.ndarray) -> np.ndarray:
     """A matrix [N, B] (or matrices stacked: [q | k | v], [gate | up]) as fast.cpu.matmul reads it fastest: q8_0
-    and q4_0 rows interleaved in groups (INTERLEAVED) where each part's N divides by ROWS; other formats and shapes
-    as they are; on huge pages (fast.pages)."""
-    lays = [layout_of(w) for w in parts]
-    fast = all(lay.name == "rows" and lay.format.quantized and w.ndim == 2 and w.shape[0] % ROWS == 0
-               for lay, w in zip(lays, parts))
-    if fast:
+    and q4_0 rows interleaved in groups (INTERLEAVED) where N divides by ROWS, part by part where each part's does;
+    other formats and shapes as they are; on huge pages (fast.pages)."""
+    quantized = all(layout_of(w).name == "rows" and layout_of(w).format.quantized and w.ndim == 2 for w in parts)
+    if quantized and all(w.shape[0] % ROWS == 0 for w in parts):
         return on_huge_pages(interleave(*parts))
-    return on_huge_pages(parts[0] if len(parts) == 1 else np.concatenate(parts))
+    w = parts[0] if len(parts) == 1 else np.concatenate(parts)  # groups across the parts: stacked first
+    return on_huge_pages(interleave(w) if quantized and w.shape[0] % ROWS == 0 else w)

@@ -139,10 +139,11 @@ def test_layouts_are_what_the_reference_reads(fmt):
     np.testing.assert_array_equal(np.vstack([R.row_values(r, f, "runs") for r in runs]), plain_values)
     assert quant.plain(groups).tobytes() == b.tobytes() and quant.plain(runs).tobytes() == b.tobytes()
     assert quant.for_sparse(b.reshape(8, 2, 16)).dtype == runs.dtype and quant.for_sparse(b[:, :12]).dtype == b.dtype
-    # matrices stacked ([q | k | v]) as each interleaved into its groups, or as they are where a part's rows do not
-    # make whole groups
+    # matrices stacked ([q | k | v]) as the stacked matrix is: each part interleaved into its groups, or stacked
+    # first where a group spans two parts, or as they are where the rows make no whole groups
     assert quant.for_matmul(b[:8], b[8:]).tobytes() == groups.tobytes()
-    assert quant.for_matmul(b[:4], b[4:]).tobytes() == b.tobytes()
+    assert quant.for_matmul(b[:4], b[4:]).tobytes() == groups.tobytes()
+    assert quant.for_matmul(b[:4], b[4:12]).tobytes() == b[:12].tobytes()
 
 
 def test_every_item_type_names_its_format_and_layout():
