@@ -224,6 +224,7 @@ def f32_gguf(folder):
         ("add_token_types", [2, 3, 3] + [1] * (len(tokens) - 3)), ("add_bos_token_id", 1), ("add_eos_token_id", 2),
         ("add_unk_token_id", 0), ("add_string", "tokenizer.chat_template", "{{ messages[0]['content'] }}"),
         ("add_tokenizer_pre", "default"), ("add_add_bos_token", True), ("add_eot_token_id", 2), ("add_eom_token_id", 2),
+        ("add_expert_count", 0),
         ("add_bool", "tokenizer.ggml.normalizer.lowercase", False), ("add_array", EOS_IDS_KEY, [2])]
     write_gguf(out, "gguf", "llama", kv, plan(Weights.load(folder, cfg), FORMATS["f32"], None))
     _, fields, tensors = Parser(out).read()
