@@ -21,12 +21,12 @@ from ref.common.config import ModelConfig
 from ref.common.checkpoint import load_checkpoint
 from ref.common.formats import FORMATS, Format, format_of
 from ref.common.gguf_io import (PERMUTED, THRESHOLD_KEY, Planned, copied_kv, gguf_metadata, is_gguf, model_kv, rope_freqs,
-                                rope_rows, tokenizer_kv, write_gguf)
+                                rope_rows, write_gguf)
 from ref.common.names import GGUF_NAMES, expected_shapes, gguf_architecture, gguf_name
 from ref.common.progress import Progress
 from ref.common.safetensors import upcast
 from ref.common.weights import Weights
-from ref.common.tokenizer import load_tokenizer
+from ref.common.tokenizer import load_tokenizer, tokenizer_kv
 from ref.quant import Transposed, predictor_format, quantize, stored_format, tensor_format
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")

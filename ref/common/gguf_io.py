@@ -447,37 +447,6 @@ def _umask() -> int:
     return mask
 
 
-def tokenizer_kv(tokenizer_json: str, bos: int | None, eos_ids: tuple[int, ...], vocab_size: int) -> list:
-    """llama.cpp's tokenizer metadata for a byte-level BPE tokenizer.json ('gpt2', its pre-tokenizer named as
-    llama.cpp names it), plus the file itself as tokenizer.huggingface.json (llama.cpp's metadata has no place for
-    every normalizer, e.g. lowercasing) and every EOS id (llama.cpp's keys hold one)."""
-    from ref.common.tokenizer import pre_tokenizer_name
-    tj = json.loads(tokenizer_json)
-    model = tj.get("model", {})
-    if model.get("type") != "BPE":
-        raise UserError(f"tokenizer.json: a {model.get('type')} model; GGUF export writes byte-level BPE tokenizers only")
-    vocab = dict(model["vocab"])
-    special = set()
-    for t in tj.get("added_tokens", []):
-        vocab[t["content"]] = t["id"]
-        if t.get("special"):
-            special.add(t["id"])
-    n = max(vocab_size, max(vocab.values()) + 1)
-    tokens = [f"[PAD{i}]" for i in range(n)]
-    for s, i in vocab.items():
-        tokens[i] = s
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    types = [3 if i in special else 1 for i in range(n)]  # CONTROL, NORMAL
-    kv = [("add_tokenizer_model", "gpt2"), ("add_tokenizer_pre", pre_tokenizer_name(tj)), ("add_token_list", tokens),
-          ("add_token_types", types), ("add_token_merges", merges), ("add_add_bos_token", bos is not None),
-          ("add_string", "tokenizer.huggingface.json", tokenizer_json)]
-    if bos is not None:
-        kv.append(("add_bos_token_id", bos))
-    if eos_ids:
-        kv += [("add_eos_token_id", eos_ids[0]), ("add_array", EOS_IDS_KEY, list(eos_ids))]
-    return kv
-
-
 def copied_kv(meta: Metadata, prefix: str) -> list:
     """The metadata keys under `prefix` of a file read, with their GGUF types, to write into another file."""
     from gguf import GGUFValueType

@@ -188,3 +188,33 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
 
 LOWERCASE_KEY = "tokenizer.ggml.normalizer.lowercase"  # llama.cpp's converter's note of a lowercasing normalizer
 EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def tokenizer_kv(tokenizer_json: str, bos: int | None, eos_ids: tuple[int, ...], vocab_size: int) -> list:
+    """llama.cpp's tokenizer metadata for a byte-level BPE tokenizer.json ('gpt2', its pre-tokenizer named as
+    llama.cpp names it), plus the file itself as tokenizer.huggingface.json (llama.cpp's metadata has no place for
+    every normalizer, e.g. lowercasing) and every EOS id (llama.cpp's keys hold one)."""
+    tj = json.loads(tokenizer_json)
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise UserError(f"tokenizer.json: a {model.get('type')} model; GGUF export writes byte-level BPE tokenizers only")
+    vocab = dict(model["vocab"])
+    special = set()
+    for t in tj.get("added_tokens", []):
+        vocab[t["content"]] = t["id"]
+        if t.get("special"):
+            special.add(t["id"])
+    n = max(vocab_size, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    for s, i in vocab.items():
+        tokens[i] = s
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    types = [3 if i in special else 1 for i in range(n)]  # CONTROL, NORMAL
+    kv = [("add_tokenizer_model", "gpt2"), ("add_tokenizer_pre", pre_tokenizer_name(tj)), ("add_token_list", tokens),
+          ("add_token_types", types), ("add_token_merges", merges), ("add_add_bos_token", bos is not None),
+          ("add_string", "tokenizer.huggingface.json", tokenizer_json)]
+    if bos is not None:
+        kv.append(("add_bos_token_id", bos))
+    if eos_ids:
+        kv += [("add_eos_token_id", eos_ids[0]), ("add_array", EOS_IDS_KEY, list(eos_ids))]
+    return kv
