@@ -18,10 +18,9 @@ import click
 from ref.common.artifacts import Predictors
 from ref.common.cli import check_model_dir, output_file, user_errors
 from ref.common.config import ModelConfig
-from ref.common.checkpoint import load_checkpoint
 from ref.common.formats import FORMATS, Format, format_of
-from ref.common.gguf_io import (PERMUTED, THRESHOLD_KEY, Planned, copied_kv, gguf_metadata, is_gguf, model_kv, rope_freqs,
-                                rope_rows, write_gguf)
+from ref.common.gguf_io import (PERMUTED, THRESHOLD_KEY, Metadata, Planned, copied_kv, is_gguf, model_kv, read_gguf,
+                                rope_freqs, rope_rows, write_gguf)
 from ref.common.names import GGUF_NAMES, expected_shapes, gguf_architecture, gguf_name
 from ref.common.progress import Progress
 from ref.common.safetensors import upcast
@@ -83,8 +82,10 @@ def main(model, out, type_, predictors, dense, force):
         raise UserError("--dense and --predictors contradict each other")
     out = output_file(out, force, "-o")
     from_gguf = model.is_file() and is_gguf(model)
+    meta = None
     if from_gguf:
-        w = load_checkpoint(model)
+        ck = read_gguf(model)
+        w, meta = Weights(ck.config, ck.tensors, ck.predictors, model), ck.meta
         if model.resolve() == out.resolve():
             raise UserError(f"-o {out}: the file being read; write another")
     else:
@@ -108,7 +109,7 @@ def main(model, out, type_, predictors, dense, force):
         pred = Predictors.load(predictors, cfg) if predictors is not None else w.predictors
     kind = "gguf" if dense else "powerinfer"
     name = model.stem if from_gguf else model.resolve().name
-    kv = model_kv(cfg, fmt, name) + tokenizer_of(model, from_gguf, cfg)
+    kv = model_kv(cfg, fmt, name) + tokenizer_of(model, meta, cfg)
     if pred is not None:
         kv.append(("add_float32", THRESHOLD_KEY, pred.threshold))
     planned = plan(w, fmt, pred)
@@ -125,11 +126,11 @@ def main(model, out, type_, predictors, dense, force):
                f"tensors, {shown} in {time.perf_counter() - t0:.1f} s")
 
 
-def tokenizer_of(model: Path, from_gguf: bool, cfg: ModelConfig) -> list:
-    """The tokenizer's metadata: a GGUF file's own tokenizer.* keys as they are, or a folder's tokenizer.json with
-    the BOS and EOS ids its loader uses."""
-    if from_gguf:
-        return copied_kv(gguf_metadata(model), "tokenizer.")
+def tokenizer_of(model: Path, meta: Metadata | None, cfg: ModelConfig) -> list:
+    """The tokenizer's metadata: a GGUF file's own tokenizer.* keys as they are (`meta`, its metadata), or a
+    folder's tokenizer.json with the BOS and EOS ids its loader uses."""
+    if meta is not None:
+        return copied_kv(meta, "tokenizer.")
     tok_file = model / "tokenizer.json"
     if not tok_file.is_file():
         raise UserError(f"{tok_file}: missing (the GGUF file carries the tokenizer)")
