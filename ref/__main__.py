@@ -27,9 +27,12 @@ def main(gen: Generation, ffn: Sparsity, use_f64):
     ffn.check()
     t0 = time.perf_counter()
     model = load_model(model_dir, default_predictors(model_dir, ffn.predictors, ffn.dense),
-                       np.float64 if use_f64 else np.float32, ffn.predictor_threshold, ffn.predictor_type)
+                       np.float64 if use_f64 else np.float32, ffn.predictor_threshold, ffn.predictor_type,
+                       ffn.sparsity, ffn.sparsity_method, ffn.sparsity_file)
     tok = load_tokenizer(model_dir)
     mode = f"sparse (threshold {model.selector.threshold})" if getattr(model, "selector", None) else "dense"
+    if getattr(model, "thinning", None) is not None:
+        mode += f"; activation sparsity {ffn.sparsity:g} ({ffn.sparsity_method})"
     generate_session(model, tok, gen, time.perf_counter() - t0, f"; FFN {mode}")
 
 

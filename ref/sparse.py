@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ref.activation_sparsity import apply_sparsity, sparsity_to_run
 from ref.common.artifacts import Predictors
 from ref.common.formats import Format, format_of
 from ref.common.safetensors import upcast
@@ -171,12 +172,15 @@ def predictors_to_run(cfg, source, own: Predictors | None, fmt: Format, threshol
 
 
 def load_model(path: str | Path, predictors=None, dtype=np.float32, threshold: float | None = None,
-               predictor_type: str | None = None) -> Model:
+               predictor_type: str | None = None, sparsity: float | None = None, method: str = "teal",
+               sparsity_file: Path | None = None) -> Model:
     """`Model.load(path)`, made predictor-gated sparse by `apply_predictors` where `predictors` (a file, loaded
-    Predictors, or EMBEDDED) gives any, as `predictors_to_run` stores them."""
+    Predictors, or EMBEDDED) gives any, as `predictors_to_run` stores them; then with activation sparsity where
+    `sparsity` asks (ref.activation_sparsity; the FFN's only without predictors)."""
     model = Model.load(path, dtype)
-    if predictors is None:
-        return model
-    run = predictors_to_run(model.config, predictors, model.weights.predictors, stored_format(model.weights), threshold,
-                            predictor_type)
-    return model if run is None else apply_predictors(model, *run)
+    run = None if predictors is None else predictors_to_run(
+        model.config, predictors, model.weights.predictors, stored_format(model.weights), threshold, predictor_type)
+    if run is not None:
+        apply_predictors(model, *run)
+    cut = sparsity_to_run(model.config, path, sparsity, method, sparsity_file)
+    return model if cut is None else apply_sparsity(model, method, cut, ffn=run is None)

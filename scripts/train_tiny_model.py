@@ -1,4 +1,5 @@
-"""Train the shipped tiny ReLU LLaMA (ReGLU) model on TinyStories and write it in plain HF layout.
+"""Train a shipped tiny LLaMA on TinyStories and write it in plain HF layout: the ReLU one (ReGLU FFN,
+data/tiny-relu-llama) or its SwiGLU twin (--act silu, data/tiny-silu-llama), same corpus, tokenizer and recipe.
 
 Needs the optional `train` extra (PyTorch). Everything here is self-contained on purpose: the model
 below is an independent implementation of the LLaMA forward pass, so the golden logits it writes
@@ -60,8 +61,11 @@ def token_stream(tok: Tokenizer, stories: list[str]) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+ACTS = {"relu": torch.relu, "silu": nnf.silu}  # the FFN gate's activation, HF's hidden_act names
+
+
 class TinyLlama(torch.nn.Module):
-    """LLaMA with a ReGLU FFN, parameter names as in HF's LlamaForCausalLM."""
+    """LLaMA with a gated FFN act(gate) * up (ReGLU or SwiGLU), parameter names as in HF's LlamaForCausalLM."""
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -114,7 +118,7 @@ class TinyLlama(torch.nn.Module):
             att = nnf.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, E]
             x = x + L.o_proj(att.transpose(1, 2).reshape(B, T, -1))
             h = self.rmsnorm(x, L.post_attention_layernorm)
-            x = x + L.down_proj(torch.relu(L.gate_proj(h)) * L.up_proj(h))
+            x = x + L.down_proj(ACTS[cfg["hidden_act"]](L.gate_proj(h)) * L.up_proj(h))
         return self.lm_head(self.rmsnorm(x, self.norm))
 
     def hf_state_dict(self) -> dict[str, np.ndarray]:
@@ -234,10 +238,13 @@ def atomic_write(path: Path, write) -> None:
 @click.option("--eval-every", default=100, show_default=True)
 @click.option("--seed", default=1234, show_default=True)
 @click.option("--threads", default=os.cpu_count(), show_default=True)
-def main(corpus, out_dir, force, layers, d_model, ffn, heads, kv_heads, ctx, vocab, batch, steps, lr, eval_every, seed, threads):
-    """Train the tiny ReLU LLaMA and write config.json, model.safetensors (fp16), tokenizer.json, golden.safetensors."""
+@click.option("--act", type=click.Choice(sorted(ACTS)), default="relu", show_default=True,
+              help="The FFN's gate activation: relu (ReGLU, the shipped tiny-relu-llama) or silu (SwiGLU, its twin).")
+def main(corpus, out_dir, force, layers, d_model, ffn, heads, kv_heads, ctx, vocab, batch, steps, lr, eval_every, seed,
+         threads, act):
+    """Train the tiny LLaMA and write config.json, model.safetensors (fp16), tokenizer.json, golden.safetensors."""
     settings = dict(layers=layers, d_model=d_model, ffn=ffn, heads=heads, kv_heads=kv_heads, ctx=ctx, vocab=vocab,
-                    batch=batch, steps=steps, lr=lr, seed=seed, threads=threads)
+                    batch=batch, steps=steps, lr=lr, seed=seed, threads=threads, act=act)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise click.UsageError(f"-o/--out {out_dir} holds files: pass --force to write over them")
     if corpus is None:
@@ -257,7 +264,7 @@ def main(corpus, out_dir, force, layers, d_model, ffn, heads, kv_heads, ctx, voc
     print(f"tokenizer: vocab {tok.get_vocab_size()}, train {len(train):,} tokens, val {len(val):,} tokens ({time.time() - t0:.1f} s)")
 
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "relu",
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": act,
         "hidden_size": d_model, "intermediate_size": ffn, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d_model // heads,
         "max_position_embeddings": ctx, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,

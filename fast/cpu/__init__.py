@@ -16,7 +16,8 @@ quantize_input for the token), which numba resolves per format when it compiles 
 float32.
 
 The package by concern: `base` (norms, embeddings, biases, RoPE, activations, hints), `matmul`, `attention`, `ffn`
-(the sparse and dense FFN, the predictor), `step` (a decode step of every layer in one call). Kernels compile on first
+(the sparse and dense FFN, the predictor), `thin` (activation sparsity's thinning and
+the input-sparse product), `step` (a decode step of every layer in one call). Kernels compile on first
 use; numba caches them beside their files, stamped by every kernel source (fast.kernel_cache).
 
 Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
@@ -39,6 +40,7 @@ from fast.cpu.ffn import (TILE_SHARE, activations, dense_down, dense_ffn_block, 
                           union_mask)
 from fast.cpu.matmul import MATMUL_CHUNKS, matmul  # noqa: E402
 from fast.cpu.step import StepLayer, decode_step  # noqa: E402
+from fast.cpu.thin import sparse_rows, sparse_rows_chunk, thin  # noqa: E402
 
 __all__ = ["BLOCKS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "activation",
            "activation_py", "activations", "add_bias", "attend", "attention", "attention_block", "causal_logits",
@@ -47,4 +49,4 @@ __all__ = ["BLOCKS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "TILE_SHA
            "gather_values", "layernorm", "masked_activation", "matmul", "norm", "normalize_rows", "predicted_set",
            "predictor", "prefetch", "prefetch_row", "prefetch_rows", "qk_norm", "qkv_proj", "read_bandwidth_probe",
            "relu_", "rmsnorm", "rope", "round_q8_0", "self_attention", "sparse_ffn", "sparse_ffn_batch",
-           "sparse_ffn_batch_chunk", "sparse_ffn_chunk", "sum_chunks", "union_mask"]
+           "sparse_ffn_batch_chunk", "sparse_ffn_chunk", "sparse_rows", "sparse_rows_chunk", "sum_chunks", "thin", "union_mask"]

@@ -10,8 +10,9 @@ from numba.extending import overload
 from fast.quant import (BLOCK, axpy, axpy2t, axpy4, axpy4t, dot, dot2, dot2_2t, dot2_4t, dot2t, dot4, dot4_ahead,
                         dot4t, dot4x4, f16_round, hints_ahead, is_float, load, n_rows, prefetch_span, q8_0_block,
                         quantize_input)
-from fast.cpu.base import FASTMATH, activation, add_bias, norm, prefetch_row, prefetch_rows, sum_chunks
+from fast.cpu.base import FASTMATH, activation, add_bias, norm, prefetch_rows, sum_chunks
 from fast.cpu.matmul import matmul, put16
+from fast.cpu.thin import sparse_rows
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -383,53 +384,19 @@ def sparse_ffn_batch_chunk(y, x, xq, xd, xs, bundle, bias, active, n_active, mas
                     prefetch_span(bundle))
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
-def dense_down_chunk(y, gu, down, lo, hi, kind, thr):
-    """y = dense_down over neurons lo..hi (one worker's chunk).  y: [T, D]."""
-    T, F = y.shape[0], down.shape[0]
-    y[:] = 0.0
-    if T == 1:  # the neurons that add something, then their rows four at a time, the next four hinted ahead
-        acts, ids = np.empty(hi - lo + 1, np.float32), np.empty(hi - lo + 1, np.int64)
-        n = 0
-        for i in range(lo, hi):
-            acts[n], ids[n] = activation(kind, gu[0, i], gu[0, F + i], thr), i
-            n += acts[n] != 0
-        span = down.shape[1] * down.itemsize
-        for k in range(0, n - 3, 4):
-            for m in range(k + 4, min(k + 8, n)):
-                prefetch_row(down, ids[m], down.shape[1], span)
-            axpy4(y[0], acts[k], acts[k + 1], acts[k + 2], acts[k + 3], down[ids[k]], down[ids[k + 1]],
-                  down[ids[k + 2]], down[ids[k + 3]])
-        for k in range(n - n % 4, n):
-            axpy(y[0], acts[k], down[ids[k]])
-    else:
-        acts, ids = np.empty(T, np.float32), np.empty(T, np.int64)
-        for i in range(lo, hi):
-            m = 0  # the tokens whose activation is not 0
-            for t in range(T):
-                acts[m], ids[m] = activation(kind, gu[t, i], gu[t, F + i], thr), t
-                m += acts[m] != 0
-            for k in range(0, m - 3, 4):
-                axpy4t(y, ids[k], ids[k + 1], ids[k + 2], ids[k + 3], acts[k], acts[k + 1], acts[k + 2],
-                       acts[k + 3], down[i])
-            for k in range(m - m % 4, m):
-                axpy(y[ids[k]], acts[k], down[i])
-
-
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def dense_down(out, acc, gu, down, kind, thr):
     """out[t] = sum_i a_ti down_i, a_ti = a(g_ti, u_ti) from gu[t] = (g_t, u_t) over all F neurons: the down half of
-    a dense FFN whose gate and up rows ran as one matmul (Engine's dense layout, dense_ffn). A zero activation skips
-    its down row; one token's rows go four at a time (axpy4), the next four hinted meanwhile (the rows that add
-    something are known first: TinyLlama's q4_0 down rows 9.3 -> 6.2 ms a token), several tokens' four tokens at a
-    time (axpy4t).
+    a dense FFN whose gate and up rows ran as one matmul (Engine's dense layout, dense_ffn), as thin.sparse_rows over
+    every neuron: a zero activation skips its down row; one token's rows go four at a time, the next four hinted
+    meanwhile (the rows that add something are known first: TinyLlama's q4_0 down rows 9.3 -> 6.2 ms a token),
+    several tokens' four tokens at a time.
 
     out: [T, D]; acc: [C, T, D] per-chunk private accumulators; gu: [T, 2F]; down: [F, D] rows of down^T."""
-    C, T, D = acc.shape
     F = down.shape[0]
-    for c in prange(C):
-        dense_down_chunk(acc[c], gu, down, c * F // C, (c + 1) * F // C, kind, thr)
-    sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
+    a = np.empty((gu.shape[0], F), np.float32)  # [T, F]
+    activations(a, gu, kind, thr)
+    sparse_rows(out, acc, a, down, np.arange(F).astype(np.int32), F)
 
 
 @njit(parallel=True, cache=True, nogil=True)

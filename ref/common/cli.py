@@ -120,8 +120,15 @@ class Sparsity:
     predictors: Path | None
     predictor_threshold: float | None
     predictor_type: str | None
+    sparsity: float | None
+    sparsity_method: str
+    sparsity_file: Path | None
 
     def check(self) -> "Sparsity":
+        if self.sparsity is not None and not 0.0 <= self.sparsity < 1.0:
+            raise UserError(f"--sparsity must be in [0, 1), got {self.sparsity}")
+        if self.sparsity is None and self.sparsity_file is not None:
+            raise UserError("--sparsity-file holds thresholds for --sparsity S: pass --sparsity too")
         if self.dense and self.predictors is not None:
             raise UserError("--dense and --predictors contradict each other")
         finite(self.predictor_threshold, "--predictor-threshold")
@@ -139,6 +146,13 @@ SPARSITY_FLAGS = [
     click.option("--predictor-type", type=FORMAT_CHOICE, default=None,
                  help="Format to run the predictors in [default: a checkpoint's own as stored; a file's in the "
                       "weights' format, q8_0 beside f16 and bf16]."),
+    click.option("--sparsity", type=float, default=None,
+                 help="Training-free activation sparsity: thin every linear layer's input to this model-wide share, "
+                      "by thresholds calibrated for the model (scripts/calibrate_sparsity.py) [default: off]."),
+    click.option("--sparsity-method", type=click.Choice(["teal", "wina", "cats"]), default="teal", show_default=True,
+                 help="teal: |x|; wina: |x| times the weight column's norm; cats: the FFN by its gate's activation."),
+    click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
+                 help="Thresholds file [default: MODEL_DIR/sparsity.safetensors]."),
 ]
 
 

@@ -254,6 +254,28 @@ def case_dense_down(rng, T, F, D, kind, chunks=3, fmt="f32"):
     return (lambda k: (k.dense_down(out, acc, gu, down, KINDS[kind], F32(0.1)), out)[1], a @ dv)
 
 
+def case_thin(rng, K, share):
+    """x thinned by per-input cuts: a share of the inputs above theirs, the others at theirs (a tie drops) or below."""
+    x, out, ids = randn(rng, K), np.empty(K, F32), np.empty(K, np.int32)
+    keep = rng.random(K) < share
+    cut = np.where(keep, np.abs(x) * F32(0.5), np.where(rng.random(K) < 0.5, np.abs(x), np.abs(x) * 2 + 0.1)).astype(F32)
+
+    def run(k):
+        n = k.thin(out, ids, x, cut)
+        return np.concatenate([out, ids[:n].astype(F32)])
+    return run, np.concatenate([np.where(keep, x, 0), np.flatnonzero(keep).astype(F32)])
+
+
+def case_sparse_rows(rng, T, K, N, share, chunks=3, fmt="f32"):
+    """W x over the stored transpose's rows that the listed inputs select (their union), zero inputs skipped: empty,
+    partial and full sets."""
+    wt, wv, _ = stored(randn(rng, K, N, scale=0.5), fmt)  # [K, N] rows of W^T
+    x = randn(rng, T, K) * (rng.random((T, K)) < share)  # each token's thinned input
+    ids = np.flatnonzero((x != 0).any(axis=0)).astype(np.int32)  # the union
+    out, acc = np.empty((T, N), F32), np.empty((chunks, T, N), F32)
+    return (lambda k: (k.sparse_rows(out, acc, x, wt, ids, len(ids)), out)[1], x.astype(np.float64) @ wv)
+
+
 def case_dense_ffn_block(rng, F, D, kind, chunks=3, fmt="f32", norm="rms"):
     """One token through the dense layout: norm, [gate | up] rows as one (interleaved) matrix, the down rows."""
     h = randn(rng, D, scale=3)
@@ -299,7 +321,8 @@ CASES = {
     "rmsnorm": case_rmsnorm, "norm": case_norm, "add_bias": case_add_bias, "embed": case_embed, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set, "union_mask": case_union_mask,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
-    "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block,
+    "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block, "thin": case_thin,
+    "sparse_rows": case_sparse_rows,
     "decode_attention_block": case_decode_attention_block, "ffn_batch_block": case_ffn_batch_block,
 }
 
@@ -381,6 +404,10 @@ SHAPES = [
     ("dense_down", dict(T=1, F=37, D=19, kind="relu"), False), ("dense_down", dict(T=1, F=9, D=8, kind="drelu", chunks=7), False),
     ("dense_down", dict(T=5, F=40, D=19, kind="fatrelu"), False), ("dense_down", dict(T=6, F=30, D=33, kind="silu"), False),
     ("dense_ffn_block", dict(F=50, D=19, kind="relu"), False), ("dense_ffn_block", dict(F=9, D=8, kind="silu"), False),
+    ("thin", dict(K=37, share=0.5), False), ("thin", dict(K=8, share=0.0), False), ("thin", dict(K=9, share=1.0), False),
+    *[("sparse_rows", dict(T=T, K=K, N=N, share=share, fmt=fmt), False) for fmt in ("f32", "f16", "bf16", "q8_0", "q4_0")
+      for T, K, N, share in ((1, 37, 64, 0.5), (1, 9, 32, 0.0), (1, 40, 96, 1.0), (5, 30, 64, 0.3), (6, 7, 32, 1.0))],
+    ("sparse_rows", dict(T=1, K=9, N=19, share=0.6, chunks=7), False), ("sparse_rows", dict(T=3, K=5, N=3, share=0.5), False),
     ("dense_ffn_block", dict(F=20, D=19, kind="relu", norm="layer"), False),
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),
@@ -448,7 +475,7 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; the embeddings too; batched prefill runs on the CPU so far.
 CPU_ONLY = {"embed", "predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block", "ffn_batch_block",
-            "decode_attention_block"}
+            "decode_attention_block", "thin", "sparse_rows"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
 

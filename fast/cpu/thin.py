@@ -1,0 +1,71 @@
+"""Training-free activation sparsity (ref.activation_sparsity): a linear layer's input thinned (thin), and the product
+that reads only the rows of the stored transpose W^T that a non-zero input selects (sparse_rows), which is also the
+dense layout's down half (ffn.dense_down) and the FFN's down rows."""
+
+import numpy as np
+from numba import njit, prange
+
+from fast.cpu.base import FASTMATH, prefetch_row, sum_chunks
+from fast.quant import axpy, axpy4, axpy4t
+
+
+@njit(cache=True, nogil=True)
+def thin(out, ids, x, cut):
+    """out = x * (|x| > cut) (ref.activation_sparsity.Thinning.thin, the score weights folded into cut: t for TEAL,
+    t / ||W[:, i]|| for WINA), and ids[:n] the inputs kept, in order, found in the same pass. -> n.
+    out, x, cut: [K]; ids: [K] int32."""
+    n = 0
+    for i in range(x.size):
+        keep = abs(x[i]) > cut[i]
+        out[i] = x[i] if keep else np.float32(0.0)
+        ids[n] = i
+        n += keep
+    return n
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def sparse_rows_chunk(y, x, wt, ids, lo, hi):
+    """y = sparse_rows over ids[lo:hi] (one worker's chunk).  y: [T, N]."""
+    T = y.shape[0]
+    y[:] = 0.0
+    if T == 1:  # the rows that add something, then four at a time, the next four hinted ahead
+        vals, rows = np.empty(hi - lo + 1, np.float32), np.empty(hi - lo + 1, np.int64)
+        n = 0
+        for j in range(lo, hi):
+            vals[n], rows[n] = x[0, ids[j]], ids[j]
+            n += vals[n] != 0
+        span = wt.shape[1] * wt.itemsize
+        for k in range(0, n - 3, 4):
+            for m in range(k + 4, min(k + 8, n)):
+                prefetch_row(wt, rows[m], wt.shape[1], span)
+            axpy4(y[0], vals[k], vals[k + 1], vals[k + 2], vals[k + 3], wt[rows[k]], wt[rows[k + 1]],
+                  wt[rows[k + 2]], wt[rows[k + 3]])
+        for k in range(n - n % 4, n):
+            axpy(y[0], vals[k], wt[rows[k]])
+    else:  # each row read once for the tokens whose input selects it, four tokens at a time
+        vals, toks = np.empty(T, np.float32), np.empty(T, np.int64)
+        for j in range(lo, hi):
+            i = ids[j]
+            m = 0
+            for t in range(T):
+                vals[m], toks[m] = x[t, i], t
+                m += vals[m] != 0
+            for k in range(0, m - 3, 4):
+                axpy4t(y, toks[k], toks[k + 1], toks[k + 2], toks[k + 3], vals[k], vals[k + 1], vals[k + 2],
+                       vals[k + 3], wt[i])
+            for k in range(m - m % 4, m):
+                axpy(y[toks[k]], vals[k], wt[i])
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def sparse_rows(out, acc, x, wt, ids, n):
+    """out[t] = sum_{j < n} x[t, i] W^T[i], i = ids[j]: W x[t] reading only the rows of the stored transpose that the
+    listed inputs select (their union, for several tokens), each row read once, a zero input skipping it (rows
+    decoded as they are read: a product over W^T reads x as it is, ref.quant.Transposed).
+
+    out: [T, N]; acc: [C, T, N] per-chunk private accumulators; x: [T, K]; wt: [K, N / block] rows of blocks;
+    ids: [>= n] int32."""
+    C, T, N = acc.shape
+    for c in prange(C):
+        sparse_rows_chunk(acc[c], x, wt, ids, c * n // C, (c + 1) * n // C)
+    sum_chunks(out.reshape(T * N), acc.reshape((C, T * N)))
