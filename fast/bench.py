@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fast import cpu
-from fast.engine import Engine, Selector, dense_ffn, joined
+from fast.engine import Engine, Selector, apply_sparsity, dense_ffn, joined
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.config import ModelConfig
@@ -65,6 +65,39 @@ def dense_twin(engine: Engine) -> Engine:
     twin = Engine(e.config, [dataclasses.replace(L) for L in e.layers], e.embed, e.norm, e.lm_head, e.threads, e.format,
                   e.norm_b, e.pos_embed, e.project_in, e.project_out)
     return dense_ffn(twin)
+
+
+def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) -> Engine:
+    """The engine's weights with activation sparsity (TEAL), thresholds drawn so that `sparsity` of each site's
+    inputs is dropped on its first decode tokens (random weights have no corpus to be calibrated on): thinned at
+    t = 0, `tokens` steps run with each site's scores recorded, then each threshold set to their quantile. The FFN's
+    sites too where `ffn` (else the engine's predictors keep it)."""
+    e = engine
+    twin = Engine(e.config, [dataclasses.replace(L) for L in e.layers], e.embed, e.norm, e.lm_head, e.threads, e.format,
+                  e.norm_b, e.pos_embed, e.project_in, e.project_out)
+    twin.selector = e.selector
+    apply_sparsity(twin, "teal", np.zeros((e.config.n_layers, 4), F32), ffn)
+    site = {id(L.thin.w[s]): (L, s) for L in twin.layers for s in range(4)}
+    scores = {key: [] for key in site}
+    thin, thin_activations = cpu.thin, cpu.thin_activations
+
+    def recorded_thin(out, ids, x, w, t):
+        scores[id(w)].append(np.abs(x) * w)
+        return thin(out, ids, x, w, t)
+
+    def recorded_activations(a, ids, gu, bias, kind, thr, w, t):
+        n = thin_activations(a, ids, gu, bias, kind, thr, w, t)
+        scores[id(w)].append(np.abs(a) * w)  # at t = 0 only its zeros are dropped, which are 0 here too
+        return n
+    cpu.thin, cpu.thin_activations = recorded_thin, recorded_activations
+    try:
+        decode_tok_s(twin, tokens)
+    finally:
+        cpu.thin, cpu.thin_activations = thin, thin_activations
+    for key, (L, s) in site.items():
+        if scores[key]:
+            L.thin.t[s] = np.quantile(np.concatenate([v.ravel() for v in scores[key]]), sparsity)
+    return twin
 
 
 def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
@@ -286,12 +319,16 @@ def busy_cores(n: int):
             p.wait()
 
 
-def bytes_per_token(engine: Engine, active_neurons: float) -> float:
+def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0) -> float:
     """Weight bytes a decode step reads: attention, the active neurons' FFN rows (bundles, or the dense layout's
-    rows), the engine's predictors, lm_head."""
+    rows), the engine's predictors, lm_head; of matrices whose inputs are thinned (activation sparsity), the `kept`
+    share of their rows."""
     c, L0, selector = engine.config, engine.layers[0], engine.selector
-    attn = L0.wqkv.nbytes + L0.wo.nbytes
-    ffn = active_neurons * (L0.bundle.nbytes + (0 if L0.gate_up is None else L0.gate_up.nbytes)) / c.d_ffn
+    attn = L0.wqkv.nbytes + L0.wo.nbytes if L0.wqkv is not None else kept * (L0.wqkv_t.nbytes + L0.wo_t.nbytes)
+    if L0.gate_up_t is not None:
+        ffn = kept * (L0.gate_up_t.nbytes + L0.bundle.nbytes)
+    else:
+        ffn = active_neurons * (L0.bundle.nbytes + (0 if L0.gate_up is None else L0.gate_up.nbytes)) / c.d_ffn
     pred = sum(a.nbytes + b.nbytes for a, b in zip(selector.fc1, selector.fc2)) if selector.predicts else 0
     return c.n_layers * (attn + ffn) + pred + engine.lm_head.nbytes
 

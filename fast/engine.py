@@ -85,6 +85,22 @@ class Layer:
     qk_norms: np.ndarray = field(default_factory=lambda: NO_NORMS)  # [2, E] each head's q and k norm (Qwen3)
     down: np.ndarray | None = None  # [D, F] llama.cpp's quantized ffn_down as stored (blocks along F); the bundle
     # then holds no rows, gate_up the gate and up rows (bundled re-lays it for the sparse kernels)
+    # activation sparsity (apply_sparsity): the thinned matrices stored transposed, rows = inputs (wqkv, wo, gate_up
+    # then None; the down rows are the bundle's [F, 1, D]), and each site's score weights and threshold
+    wqkv_t: np.ndarray | None = None  # [D, (H + 2K) E]
+    wo_t: np.ndarray | None = None  # [H E, D]
+    gate_up_t: np.ndarray | None = None  # [D, 2F] (non-gated: [D, F], the up columns)
+    thin: "Thin | None" = None
+
+
+@dataclass
+class Thin:
+    """A layer's activation sparsity (ref.activation_sparsity): per site (attn_in, attn_out, ffn_in, ffn_hidden) the
+    score weights w (TEAL: ones; WINA: the weight columns' norms) and the threshold t, an input kept where |x| w > t."""
+
+    w: tuple[np.ndarray, ...]  # [D], [H E], [D], [F]
+    t: np.ndarray  # [4] float32
+    cats: bool = False  # the FFN's neurons by CATS's criterion, t[3] on |f(g)| (bundles, kind + cpu.CATS)
 
 
 def as_format(t, fmt: Format, name: str = "tensor") -> np.ndarray:
@@ -306,6 +322,8 @@ class Engine(Decoder):
         L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.eps, h.shape[0]
         w, b = self.norm_weights(L, ATTN_NORM)
         k = kernels(T, h.shape[1])
+        if L.wqkv is None:  # thinned (apply_sparsity): the projections read their inputs' kept rows
+            return self.thinned_attention(l, L, h, w, b, batch, cache)
         if len(runs) == 1 and k is cpu:
             seq = runs[0][0]
             cpu.attention_block(out, h, w, b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, cache.k[l][seq], cache.v[l][seq],
@@ -320,18 +338,40 @@ class Engine(Decoder):
         c = self.config
         qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
         k.qkv_proj(qkv, h, w, b, L.wqkv, L.bqkv, eps)
-        cpu.qk_norm(qkv, L.qk_norms, c.n_kv_heads, eps)
+        att = self.attend(l, L, qkv, batch, cache)  # [T, H E]
+        k.matmul(out, att, L.wo)
+        cpu.add_bias(out, L.bo)
+        return out
+
+    def thinned_attention(self, l: int, L: Layer, h: np.ndarray, w, b, batch: Batch, cache: KVCache) -> np.ndarray:
+        """attention_block with activation sparsity: q, k, v from the normed input thinned, o from the attention
+        output thinned, each product reading only the rows of its stored transpose that some token keeps."""
+        c, T = self.config, h.shape[0]
+        x = np.empty_like(h)
+        cpu.norm(x, h, w, b, self.eps)
+        qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
+        thinned_product(qkv, x, L.wqkv_t, L.thin, 0, len(self.acc))
+        cpu.add_bias(qkv, L.bqkv)
+        att = self.attend(l, L, qkv, batch, cache)  # [T, H E]
+        out = np.empty_like(h)
+        thinned_product(out, att, L.wo_t, L.thin, 1, len(self.acc))
+        cpu.add_bias(out, L.bo)
+        return out
+
+    def attend(self, l: int, L: Layer, qkv: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
+        """The attention of projected rows qkv [T, (H + 2K) E] (each head's q and k normed where the family says so,
+        RoPE, each sequence's keys and values appended to its slot).  -> [T, H E]."""
+        c, T, runs = self.config, qkv.shape[0], batch.runs()
+        cpu.qk_norm(qkv, L.qk_norms, c.n_kv_heads, self.eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
-        if decoding:
+        if len(runs) == T:
             k_caches, v_caches = self.slot_lists(cache)[l]
             cpu.decode_attention(att, qkv, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin)
         else:
             for seq, a, b in runs:
-                kernels(b - a, h.shape[1]).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq],
-                                                          self.cos, self.sin, batch.positions[a])
-        k.matmul(out, att, L.wo)
-        cpu.add_bias(out, L.bo)
-        return out
+                kernels(b - a, c.d_model).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq],
+                                                         self.cos, self.sin, batch.positions[a])
+        return att
 
     def norm_weights(self, L: Layer, table: dict) -> tuple[np.ndarray, np.ndarray]:
         """The (weight, bias) of the norm before attention or the FFN in this block (ref.model's ATTN_NORM or
@@ -362,6 +402,17 @@ class Engine(Decoder):
         x [Wg | Wu]^T as one matmul, then `dense_down`; one token's as one compiled call."""
         L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.eps
         w, b = self.norm_weights(L, FFN_NORM)
+        if L.gate_up_t is not None:  # thinned (apply_sparsity): y = Wd thin(a(g, u)), g, u = [Wg | Wu] thin(x)
+            x, F = np.empty_like(h), self.config.d_ffn
+            cpu.norm(x, h, w, b, eps)
+            gu = np.empty((T, F * (2 if self.config.gated else 1)), F32)  # [T, 2F]
+            thinned_product(gu, x, L.gate_up_t, L.thin, 2, len(self.acc))
+            a, ids = np.empty((T, F), F32), np.empty(F, np.int32)
+            n = cpu.thin_activations(a, ids, gu, L.bu, self.kind, self.thr, L.thin.w[3], L.thin.t[3])
+            kernels(T, h.shape[1]).sparse_rows(y, np.empty((len(self.acc), T, h.shape[1]), F32), a, L.bundle[:, 0],
+                                               ids, n)
+            cpu.add_bias(y, L.bd)
+            return y
         if L.down is not None:  # llama.cpp's ffn_down as stored: y = Wd a(g, u)
             x, gu = np.empty_like(h), np.empty((T, n_rows(L.gate_up)), F32)  # [T, D], [T, 2F]
             cpu.norm(x, h, w, b, eps)
@@ -384,10 +435,10 @@ class Engine(Decoder):
             k.dense_down(y, np.empty((len(self.acc), T, h.shape[1]), F32), gu, down, self.kind, self.thr)
             cpu.add_bias(y, L.bd)
             return y
+        kind, thr = (self.kind + cpu.CATS, L.thin.t[3]) if L.thin is not None and L.thin.cats else (self.kind, self.thr)
         if T == 1:
             active = self.active_set(l, h[0])
-            cpu.ffn_block(y[0], self.acc, h[0], w, b, L.bundle, L.bu, L.bd, active, len(active), self.kind, self.thr,
-                          eps)
+            cpu.ffn_block(y[0], self.acc, h[0], w, b, L.bundle, L.bu, L.bd, active, len(active), kind, thr, eps)
             return y
         sel = self.selector
         if self.ffn_in_one_call(h):
@@ -403,7 +454,7 @@ class Engine(Decoder):
             pairs = mask[:, :len(union)]  # [n, U]: the defined columns
             k = cpu if np.count_nonzero(pairs) < GEMM_SHARE * pairs.size else kernels(n, h.shape[1])
             k.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n],
-                               L.bundle, L.bu, union, len(union), mask, self.kind, self.thr)
+                               L.bundle, L.bu, union, len(union), mask, kind, thr)
         cpu.add_bias(y, L.bd)
         return y
 
@@ -437,9 +488,9 @@ class Engine(Decoder):
     def step_layers(self) -> list | None:
         """The per-layer arrays cpu.decode_step reads (cpu.StepLayer's fields but the cache's slots), kept until a
         transform changes the layers (layers_changed) or the selector is replaced; None where the step does not
-        apply: the dense layout (dense_ffn), or a selector whose own pick reads the logits."""
-        sel, c = self.selector, self.config
-        if self.layers[0].gate_up is not None or (sel.predicts and not sel.by_threshold and not sel.ahead):
+        apply: the dense layout (dense_ffn), activation sparsity, or a selector whose own pick reads the logits."""
+        sel, c, L0 = self.selector, self.config, self.layers[0]
+        if L0.gate_up is not None or L0.wqkv is None or (sel.predicts and not sel.by_threshold and not sel.ahead):
             return None
         if self._step is None or self._step[0] is not sel:
             none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
@@ -506,6 +557,16 @@ class Engine(Decoder):
         if self.project_out is not None:
             x = self.project(x, self.project_out)
         return self.project(x, self.lm_head)
+
+
+def thinned_product(out: np.ndarray, x: np.ndarray, wt: np.ndarray, thin: Thin, site: int, chunks: int) -> None:
+    """out = W thin(x) per token (site's weights and threshold), reading the rows of the stored transpose wt
+    [K, N] that some token keeps (fast.cpu.sparse_rows; in BLAS for steps that `kernels` sends there).
+    out: [T, N]; x: [T, K]."""
+    T, K = x.shape
+    xt, ids = np.empty_like(x), np.empty(K, np.int32)
+    n = cpu.thin(xt, ids, x, thin.w[site], thin.t[site])
+    kernels(T, K).sparse_rows(out, np.empty((chunks, T, out.shape[1]), F32), xt, wt, ids, n)
 
 
 def pre_norm_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
@@ -621,17 +682,67 @@ def dense_ffn(engine: Engine) -> Engine:
     return engine
 
 
+def ffn_rows(L: Layer, fmt: Format) -> list[np.ndarray]:
+    """A layer's FFN as plain rows of blocks in whichever layout it has: [gate, up, down^T] (non-gated: [up,
+    down^T]), each [F, B]; llama.cpp's ffn_down (blocks along F) quantized again along D in `fmt` (the shipped model
+    in q4_0: perplexity +0.07 %)."""
+    if L.gate_up is None:
+        rows = plain(L.bundle)  # [F, P, B]
+        return [rows[:, p] for p in range(rows.shape[1])]
+    gu, F = plain(L.gate_up), L.bundle.shape[0]  # [2F, B]
+    down_t = L.bundle[:, 0] if L.down is None else as_format(values(plain(L.down)).T, fmt)  # [F, B]
+    return [gu[:F], gu[F:], down_t]
+
+
 def bundled(engine: Engine) -> Engine:
     """Each neuron's rows bundled again (the layout the sparse kernels read), undoing dense_ffn; llama.cpp's ffn_down
-    (blocks along F) re-laid as PowerInfer's ffn_down_t, its exact values quantized again along D in the engine's
-    format (the shipped model in q4_0: perplexity +0.07 %)."""
-    F = engine.config.d_ffn
+    re-laid as PowerInfer's ffn_down_t (ffn_rows)."""
     for L in engine.layers:
         if L.gate_up is not None:
-            gu = plain(L.gate_up)  # [2F, D]
-            down_t = L.bundle[:, 0] if L.down is None else as_format(values(plain(L.down)).T, engine.format)  # [F, B]
-            L.bundle = for_sparse(np.stack([gu[:F], gu[F:], down_t], axis=1))
+            L.bundle = for_sparse(np.stack(ffn_rows(L, engine.format), axis=1))
             L.gate_up = L.down = None
+    engine.layers_changed()
+    return engine
+
+
+def transposed(rows: np.ndarray, fmt: Format, name: str) -> np.ndarray:
+    """Plain rows of blocks [N, K / block] as the rows of their transpose [K, N / block] in fmt: the same values in a
+    float format, quantized again along N in q8_0 and q4_0 (ref.activation_sparsity.transposed)."""
+    return as_format(np.ascontiguousarray(values(rows).T), fmt, name)
+
+
+def column_norms(wt: np.ndarray) -> np.ndarray:
+    """||W[:, i]||_2 from the stored transpose's rows, in float64 as ref's (WINA's score weights).  -> [K]."""
+    v = values(wt).astype(np.float64)
+    return np.sqrt((v * v).sum(1)).astype(F32)
+
+
+def apply_sparsity(engine: Engine, method: str, cut: np.ndarray, ffn: bool = True) -> Engine:
+    """Training-free activation sparsity (ref.activation_sparsity.apply_sparsity) with thresholds cut [L, 4]: the
+    attention's matrices, and for TEAL and WINA the FFN's where `ffn` (not beside predictors), stored transposed and
+    read input-sparse; CATS's FFN as neuron bundles whose kind skips a neuron by its gate's activation (cpu.CATS)."""
+    c, fmt = engine.config, engine.format
+    cats = method == "cats" and ffn
+    if cats:
+        if c.ffn_kind == "fatrelu":
+            raise UserError("--sparsity-method cats: a FATReLU FFN has a threshold of its own; use teal or wina")
+        bundled(engine)
+    for l, L in enumerate(engine.layers):
+        L.wqkv_t = transposed(plain(L.wqkv), fmt, f"layers.{l}.wqkv")
+        L.wo_t = transposed(plain(L.wo), fmt, f"layers.{l}.wo")
+        L.wqkv = L.wo = None
+        sites = [L.wqkv_t, L.wo_t]
+        t = np.array(cut[l], F32)
+        if ffn and not cats:
+            *gate_up, down_t = ffn_rows(L, fmt)
+            L.gate_up_t = transposed(np.concatenate(gate_up), fmt, f"layers.{l}.gate_up")
+            L.bundle, L.gate_up, L.down = np.ascontiguousarray(down_t[:, None]), None, None  # [F, 1, B]
+            sites += [L.gate_up_t, down_t]
+        elif not cats:
+            t[2:] = np.inf  # the predictors' FFN: no site of it thinned
+        widths = (c.d_model, c.n_heads * c.head_dim, c.d_model, c.d_ffn)
+        w = [column_norms(m) if method == "wina" else np.ones(n, F32) for m, n in zip(sites, widths)]
+        L.thin = Thin(tuple(w + [np.ones(n, F32) for n in widths[len(w):]]), t, cats)
     engine.layers_changed()
     return engine
 

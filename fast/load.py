@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from fast.engine import Decoder, Engine, apply_predictors, dense_ffn, stored_format
+from fast.engine import Decoder, Engine, apply_predictors, apply_sparsity, dense_ffn, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
@@ -17,6 +17,7 @@ from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
 from ref.common.formats import Format, format_of
 from ref.common.names import expected_shapes
+from ref.activation_sparsity import sparsity_to_run
 from ref.sparse import predictors_to_run
 
 def say_compiling(engine) -> None:
@@ -35,9 +36,11 @@ GROUP = 64  # neurons per ILP group
 
 def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
                 threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
-                type_: str | None = None, predictor_type: str | None = None, notice=None) -> Decoder:
+                type_: str | None = None, predictor_type: str | None = None, notice=None, sparsity: float | None = None,
+                sparsity_method: str = "teal", sparsity_file: Path | None = None) -> Decoder:
     """The engine fast.run runs: weights as stored or in the format `type_` names, dense, or predictor-sparse with
-    `predictors` (a file, loaded Predictors, or EMBEDDED; stored as ref.sparse.predictors_to_run says); on `gpu`/`hybrid`,
+    `predictors` (a file, loaded Predictors, or EMBEDDED; stored as ref.sparse.predictors_to_run says), with
+    activation sparsity where `sparsity` asks (the model's calibration: ref.activation_sparsity); on `gpu`/`hybrid`,
     placed on the card (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors).
     Refuses what does not fit in memory before laying anything out. Compiles (or loads the cached) kernels with one
     warm-up token, timed as `compile_seconds`, calling notice(engine) first where they must compile."""
@@ -51,13 +54,18 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     if fmt is not None and stored.quantized and fmt != stored:
         raise UserError(f"--type {fmt.name}: {path} is quantized to {stored.name} already; quantizing it again loses "
                         f"accuracy twice (convert the original checkpoint instead)")
+    cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file)
+    if cut is not None and device != "cpu":
+        raise UserError(f"--sparsity with --device {device}: activation sparsity runs on the CPU so far")
     check_memory(path, w.config, fmt or stored)
     engine = Engine.load(w, threads, fmt)
     run = None if predictors is None else predictors_to_run(engine.config, predictors, engine.file_predictors,
                                                             engine.format, predictor_threshold, predictor_type)
     if run is not None:
         apply_predictors(engine, *run)
-    if device != "cpu":
+    if cut is not None:
+        apply_sparsity(engine, sparsity_method, cut, ffn=run is None)
+    elif device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
     elif run is None:
         dense_ffn(engine)

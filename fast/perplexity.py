@@ -62,8 +62,16 @@ def estimate(nll: np.ndarray) -> tuple[float, float]:
 @click.option("--predictors", type=click.Path(path_type=Path), default=None,
               help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer file's own]")
 @click.option("--predictor-type", type=FORMAT_CHOICE, default=None, help="Format to run the predictors in.")
+@click.option("--sparsity", type=float, default=None,
+              help="Training-free activation sparsity: thin every linear layer's input to this model-wide share "
+                   "(thresholds from scripts/calibrate_sparsity.py) [default: off].")
+@click.option("--sparsity-method", type=click.Choice(["teal", "wina", "cats"]), default="teal", show_default=True,
+              help="teal: |x|; wina: |x| times the weight column's norm; cats: the FFN by its gate's activation.")
+@click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
+              help="Thresholds file [default: MODEL_DIR/sparsity.safetensors].")
 @user_errors
-def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predictors, predictor_type):
+def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predictors, predictor_type, sparsity,
+         sparsity_method, sparsity_file):
     """Perplexity of MODEL_DIR (default: the shipped model) on a text file, scored as llama-perplexity scores it."""
     path = resolve_model(model_dir, model)
     if dense and predictors is not None:
@@ -80,8 +88,11 @@ def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predic
         raise UserError(f"-f/--file {text_file}: {len(tokens)} tokens; scoring with -c {ctx} needs at least {2 * ctx}")
     n_chunks = len(tokens) // ctx if chunks < 0 else min(chunks, len(tokens) // ctx)
     engine = load_engine(path, predictors=predictors, threads=threads, type_=type_,
-                         predictor_type=None if predictors is None else predictor_type, notice=say_compiling)
+                         predictor_type=None if predictors is None else predictor_type, notice=say_compiling,
+                         sparsity=sparsity, sparsity_method=sparsity_method, sparsity_file=sparsity_file)
     kind = "predictor-sparse" if engine.selector.predicts else "dense"
+    if sparsity:
+        kind += f", activation sparsity {sparsity:g} ({sparsity_method})"
     click.echo(f"perplexity: {len(tokens):,} tokens, {n_chunks} chunks of {ctx}, scoring the second half of each; "
                f"weights {engine.format.name}, FFN {kind}", err=True)
     nll = []

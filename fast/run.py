@@ -47,11 +47,14 @@ def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, pl
     t0 = time.perf_counter()
     engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
                          threads=threads, predictor_threshold=ffn.predictor_threshold, policy=policy, type_=type_,
-                         predictor_type=ffn.predictor_type, notice=say_compiling)
+                         predictor_type=ffn.predictor_type, notice=say_compiling, sparsity=ffn.sparsity,
+                         sparsity_method=ffn.sparsity_method, sparsity_file=ffn.sparsity_file)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     source = f"{model_dir}'s own" if predictors == EMBEDDED else predictors
     mode = f"sparse ({source}, threshold {engine.selector.threshold})" if engine.selector.predicts else "dense"
+    if ffn.sparsity:
+        mode += f"; activation sparsity {ffn.sparsity:g} ({ffn.sparsity_method})"
     threads_line = f"{engine.threads} thread{'s' if engine.threads > 1 else ''}"
     about = (f"; {threads_line}; weights {engine.format.name}; FFN {mode}; "
              f"kernels ready in {engine.compile_seconds:.2f} s")
@@ -60,7 +63,7 @@ def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, pl
         json_file.write_text(json.dumps({
             "load_seconds": load_seconds, "compile_seconds": engine.compile_seconds, "threads": engine.threads,
             "type": engine.format.name,
-            "sparse": engine.selector.predicts, "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
+            "sparse": engine.selector.predicts, "sparsity": ffn.sparsity or 0.0, "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
             "eval_tokens": timings.eval_tokens, "eval_seconds": timings.eval_seconds,
             "eval_tok_s": timings.eval_tokens / timings.eval_seconds if timings.eval_seconds else 0.0,
             "generated": len(out), "stop": timings.stop}, indent=2) + "\n")

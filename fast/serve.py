@@ -364,6 +364,13 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
 @click.option("--predictors", type=click.Path(path_type=Path), default=None,
               help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer GGUF's own]")
 @click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid).")
+@click.option("--sparsity", type=float, default=None,
+              help="Training-free activation sparsity: thin every linear layer's input to this model-wide share "
+                   "(thresholds from scripts/calibrate_sparsity.py) [default: off].")
+@click.option("--sparsity-method", type=click.Choice(["teal", "wina", "cats"]), default="teal", show_default=True,
+              help="teal: |x|; wina: |x| times the weight column's norm; cats: the FFN by its gate's activation.")
+@click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
+              help="Thresholds file [default: MODEL_DIR/sparsity.safetensors].")
 @click.option("-a", "--alias", default=None, help="The model's name in the API [default: the model's file or folder name].")
 @click.option("--api-key", default=None, envvar="POWERINFER_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every route but / and /health.")
@@ -380,15 +387,19 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
               help="On SIGINT or SIGTERM, seconds running requests may go on before they end with their final event.")
 @user_errors
 def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, threads, device, type_, dense,
-         predictors, vram_budget, alias, api_key, api_key_file, host_allow, cors, max_body, shutdown_timeout):
+         predictors, vram_budget, sparsity, sparsity_method, sparsity_file, alias, api_key, api_key_file, host_allow,
+         cors, max_body, shutdown_timeout):
     """Serve MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) over OpenAI's HTTP API."""
     try:
         import uvicorn
     except ImportError:
         raise UserError("fast.serve needs FastAPI and uvicorn: pip install -e '.[server]'") from None
+    from ref.activation_sparsity import check_sparsity
     from ref.sparse import default_predictors
 
     path = resolve_model(model_dir, model)
+    if sparsity is not None:
+        check_sparsity(sparsity)
     api_key = read_api_key(api_key, api_key_file)
     if not max_body > 0:
         raise UserError(f"--max-body must be > 0 MiB, got {max_body:g}")
@@ -406,7 +417,8 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
             raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
     server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, host, host_allow,
                           int(max_body * 2**20), cors, device=device, predictors=default_predictors(path, predictors, dense),
-                          threads=threads, type_=type_, vram_budget=vram_budget)
+                          threads=threads, type_=type_, vram_budget=vram_budget, sparsity=sparsity,
+                          sparsity_method=sparsity_method, sparsity_file=sparsity_file)
     scheduler = server.scheduler
     click.echo(f"loading {path} on the engine thread; serving http://{host}:{port} (/health is 503 until loaded)",
                err=True)
@@ -445,7 +457,8 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
         if scheduler.ready.is_set():
             e = scheduler.engine
             click.echo(f"ready: {server.alias}, {slots} slots of {scheduler.ctx} positions, {e.threads} threads, "
-                       f"weights {e.format.name}, FFN {'sparse' if e.selector.predicts else 'dense'}", err=True)
+                       f"weights {e.format.name}, FFN {'sparse' if e.selector.predicts else 'dense'}"
+                       + (f", activation sparsity {sparsity:g} ({sparsity_method})" if sparsity else ""), err=True)
         await task
 
     try:  # on uvicorn's choice of loop (uvloop where installed: about half the CPU a streamed token costs the loop)

@@ -214,7 +214,7 @@ class Thinning:
 
 def transposed(model: Model, names: list[str]) -> None:
     """Store these matrices transposed, as the input-sparse product reads them: the same values in a float format, a
-    q8_0 or q4_0 one quantized again along its output (the down matrix is so already)."""
+    q8_0 or q4_0 one quantized again along its output (quantize_model's down matrix is so already)."""
     tensors = model.weights.tensors
     for name in names:
         t = tensors[name]
@@ -254,7 +254,7 @@ def apply_sparsity(model: Model, method: str, cut: np.ndarray, ffn: bool = True)
     """Training-free activation sparsity: each linear layer's input thinned at its site by the thresholds cut [L, 4]
     (`method`'s scores), the FFN's too where `ffn` (a predictor-sparse FFN keeps its own), the thinned matrices
     stored transposed. Applied after quantize_model."""
-    transposed(model, [n for n in thinned_sites(model, method, ffn) if not n.endswith(".wd")])
+    transposed(model, list(thinned_sites(model, method, ffn)))
     return thin_inputs(model, method, cut, ffn)
 
 

@@ -1,5 +1,6 @@
-"""Decode benchmark: a synthetic model of a real shape, dense vs predictor-sparse, against the
-machine's read bandwidth measured in the same run. Prints a llama-bench-like table.
+"""Decode benchmark: a synthetic model of a real shape, dense vs predictor-sparse (or with activation sparsity:
+--activation-sparsity), against the machine's read bandwidth measured in the same run. Prints a llama-bench-like
+table.
 
 Shared machines are noisy (the bandwidth a token gets moves within a second), so the measurements are interleaved
 token by token: dense token, probe pass, sparse token, probe pass, ... Each token's roofline fraction is taken
@@ -17,7 +18,7 @@ import numpy as np
 
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
                         dense_twin, overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
-                        sequence_rounds, synthetic_predictors)
+                        sequence_rounds, synthetic_predictors, thinned_twin)
 from ref.common.cli import FORMAT_CHOICE, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
@@ -26,7 +27,11 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="tinyllama-1.1b", show_default=True)
-@click.option("--sparsity", type=float, default=0.9, show_default=True, help="Predicted sparsity: 1 - |P| / F.")
+@click.option("--sparsity", type=float, default=0.9, show_default=True,
+              help="Predicted sparsity: 1 - |P| / F (0: no predictors).")
+@click.option("--activation-sparsity", type=float, default=None,
+              help="The sparse run thins every linear layer's input (TEAL; thresholds drawn to drop this share of "
+                   "each site's inputs): all of them with --sparsity 0, else attention's beside the predictors.")
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")
 @click.option("--type", "type_", type=FORMAT_CHOICE, default="f32", show_default=True,
               help="Weight format of the synthetic model.")
@@ -47,12 +52,12 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
               help="Also time llama.cpp (llama-cpp-python, the 'peer' extra) on a random GGUF of the same shape and format.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
-         json_file):
+def main(shape, sparsity, activation_sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp,
+         sequences, with_peer, json_file):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
     with busy_cores(busy):
         run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences,
-            with_peer, json_file)
+            with_peer, json_file, activation_sparsity)
 
 
 def parse_sequences(text: str) -> list[int]:
@@ -66,9 +71,11 @@ def parse_sequences(text: str) -> list[int]:
 
 
 def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
-        json_file):
+        json_file, activation_sparsity=None):
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
+    if activation_sparsity is not None and not 0 < activation_sparsity < 1:
+        raise click.UsageError("--activation-sparsity must be in (0, 1)")
     if runs < 1 or tokens < 1:
         raise click.UsageError("--runs and --tokens must be >= 1")
     batches = parse_sequences(sequences)
@@ -87,6 +94,11 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     # dense: laid out as fast.run lays out a run without predictors (dense_twin); sparse: the bundles and predictors
     engine.selector = SyntheticSelector(pred, cfg, sparsity)
     engines = {"dense": dense_twin(engine), "sparse": engine}
+    kept = 1.0
+    if activation_sparsity is not None:  # the sparse run: the dense one thinned, or the predictors' beside thinning
+        engines["sparse"] = engine = thinned_twin(engines["dense"] if sparsity == 0 else engine, activation_sparsity,
+                                                  ffn=sparsity == 0)
+        kept = 1 - activation_sparsity
     probe = ReadProbe(probe_gib)
     with tempfile.TemporaryDirectory() as tmp:
         peer = None
@@ -97,8 +109,10 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         prefill = prefill_rounds(engines, pp, runs, peer) if pp else {}
     together = {B: sequence_rounds(engines, B, tokens, runs) for B in batches}
     names = [*engines, *([LlamaCpp.name] if peer else [])]
+    predicting = isinstance(engine.selector, SyntheticSelector)  # not: activation sparsity alone (--sparsity 0)
+    active = engine.selector.mean_active() if predicting else cfg.d_ffn  # neurons a sparse token computes
     nbytes = {"dense": bytes_per_token(engines["dense"], cfg.d_ffn),
-              "sparse": bytes_per_token(engine, engine.selector.mean_active())}
+              "sparse": bytes_per_token(engine, active, kept)}
     nbytes[LlamaCpp.name] = nbytes["dense"]  # the same matrices, dense
     seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in names}  # every token
     around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in names}  # its probe passes, GB/s
@@ -112,8 +126,8 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both halves
     overhead = overhead_per_token(cfg, engine.threads)
     out = {"shape": shape, "type": type_, "predictor_type": pfmt.name, "layers": cfg.n_layers, "threads": engine.threads, "busy": busy,
-           "sparsity": sparsity,
-           "predictor_hidden": R, "mean_active": engine.selector.mean_active(),
+           "sparsity": sparsity, "activation_sparsity": activation_sparsity,
+           "predictor_hidden": R, "mean_active": active,
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
            "rounds": [{"read_gbs": float(np.median(r["probes"])), **{name: tok_s[name][i] for name in names}}
                       for i, r in enumerate(rounds)],
@@ -126,7 +140,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     agg = {B: {name: B * tokens / float(np.median(t)) for name, t in secs.items()} for B, secs in together.items()}
     for B in together:  # t/s: median of the runs; scaling against B = 1 timed the same way
         curve.append({"B": B, "tok_s": agg[B]["sparse"], "per_sequence_tok_s": agg[B]["sparse"] / B,
-                      "scaling": agg[B]["sparse"] / agg[1]["sparse"], "union_neurons": engine.selector.mean_union(B),
+                      "scaling": agg[B]["sparse"] / agg[1]["sparse"], "union_neurons": engine.selector.mean_union(B) if predicting else cfg.d_ffn,
                       "dense": {"tok_s": agg[B]["dense"], "per_sequence_tok_s": agg[B]["dense"] / B,
                                 "scaling": agg[B]["dense"] / agg[1]["dense"]}})
     if curve:  # the issue's single record when one B was asked for, else the curve
@@ -160,8 +174,10 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
                    f"neurons), dense {c['dense']['tok_s']:.2f} tok/s = {c['dense']['scaling']:.2f}x")
     click.echo(f"sparse/dense: {out['ratio_sparse_dense']:.2f}x (median of step-by-step token-time ratios; "
                f"{out['ratio_by_bus']['faster']:.2f}x on the steps with the faster half of probe passes, "
-               f"{out['ratio_by_bus']['slower']:.2f}x on the slower half) at {sparsity:.0%} predicted "
-               f"sparsity (mean {out['mean_active']:.0f} of {cfg.d_ffn} neurons; predictors R={R}, {pfmt.name}); "
+               f"{out['ratio_by_bus']['slower']:.2f}x on the slower half) at "
+               + (f"{sparsity:.0%} predicted sparsity (mean {out['mean_active']:.0f} of {cfg.d_ffn} neurons; predictors "
+                  f"R={R}, {pfmt.name})" if predicting else "no predictors")
+               + (f", {activation_sparsity:.0%} activation sparsity (TEAL)" if activation_sparsity else "") + "; "
                f"Python+dispatch overhead {overhead * 1e3:.2f} ms/token = {out['overhead_share_sparse']:.1%} of a sparse token")
     if peer:
         click.echo("vs llama.cpp (dense, same shape and format, same run; median of step-by-step token-time ratios): "

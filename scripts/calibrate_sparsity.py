@@ -55,10 +55,9 @@ def main(model_dir, output, force, corpus, max_tokens, window, methods, greedy, 
     corpus = resolve_corpus(corpus, "train.txt")
     model, tok = Model.load(model_dir), load_tokenizer(model_dir)
     window = window_size(window, model.config)
-    progress = Progress("calibrate", 1.0)
+    progress = Progress("calibrate", max_tokens)
     tables, tokens, inputs = calibrate(model, corpus_windows(tok, corpus, window, max_tokens), methods,
-                                       greedy_windows if greedy else 0,
-                                       lambda n, frac: progress.update(n, done=frac))
+                                       greedy_windows if greedy else 0, lambda n, frac: progress.update(n))
     progress.close()
     meta = {"methods": list(methods), "corpus": corpus.name, "corpus_sha256": sha256_file(corpus), "tokens": tokens,
             "window": window}

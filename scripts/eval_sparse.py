@@ -18,14 +18,13 @@ from ref.common.formats import FORMATS, format_of
 from ref.common.config import ModelConfig
 from ref.profile import corpus_windows, window_size
 from ref.quant import quantize_model, quantize_predictors
-from ref.activation_sparsity import METHODS, SITES, model_sparsity, sparsity_to_run, thin_inputs, transposed
-from ref.activation_sparsity import thinned_sites
+from ref.activation_sparsity import METHODS, SITES, apply_sparsity, model_sparsity, sparsity_to_run
 from ref.common.errors import UserError
 from ref.sparse import apply_oracle, apply_predictors
 
 
 def activation_table(load, windows, model_dir: Path, levels: list[float], methods: list[str], predictors,
-                     sparsity_file) -> dict:
+                     sparsity_file, allocation: str | None = None) -> dict:
     """Perplexity of the dense model (predictor-sparse with `predictors`) and of each method at each sparsity, with
     the share of entries each site dropped (the FFN's sites only without predictors)."""
     def base():
@@ -37,9 +36,8 @@ def activation_table(load, windows, model_dir: Path, levels: list[float], method
     for method in methods:
         for s in levels:
             m = base()
-            cut = sparsity_to_run(m.config, model_dir, s, method, sparsity_file)
-            transposed(m, [k for k in thinned_sites(m, method, predictors is None) if not k.endswith(".wd")])
-            thin_inputs(m, method, cut, ffn=predictors is None)
+            cut = sparsity_to_run(m.config, model_dir, s, method, sparsity_file, allocation)
+            apply_sparsity(m, method, cut, ffn=predictors is None)
             ppl, _ = perplexity(m, windows(), f"{method} {s:g}")
             realised = np.nan_to_num(m.thinning.realised())  # [L, 4]
             rows.append({"method": method, "sparsity": s, "perplexity": ppl,
@@ -73,9 +71,12 @@ def print_activation_table(t: dict, predictors) -> None:
 @click.option("--methods", default="teal,wina", show_default=True, help="With --activation-sparsity: the methods.")
 @click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
               help="With --activation-sparsity: the thresholds [default: MODEL_DIR/sparsity.safetensors].")
+@click.option("--allocation", type=click.Choice(["uniform", "greedy"]), default=None,
+              help="With --activation-sparsity: each block's sites at the target, or the file's greedy allocation "
+                   "[default: greedy where the file has it].")
 @user_errors
 def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold, type_, predictor_type, json_file,
-         activation_sparsity, methods, sparsity_file):
+         activation_sparsity, methods, sparsity_file, allocation):
     """Perplexity on held-out text for dense, predictor-sparse and oracle-sparse execution, or for activation
     sparsity."""
     check_model_dir(model_dir)
@@ -100,7 +101,7 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
         chosen = [m.strip() for m in methods.split(",")]
         if any(m not in METHODS for m in chosen):
             raise UserError(f"--methods: choose from {', '.join(METHODS)}, got {methods!r}")
-        table = activation_table(load, windows, model_dir, levels, chosen, given_predictors, sparsity_file)
+        table = activation_table(load, windows, model_dir, levels, chosen, given_predictors, sparsity_file, allocation)
         print_activation_table(table, given_predictors)
         if json_file:
             json_file.write_text(json.dumps(table, indent=2) + "\n")

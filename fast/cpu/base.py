@@ -131,17 +131,27 @@ def prefetch_rows(bundle, i, first, last, span):
     for part in range(first, last):
         prefetch_row(bundle, i * P + part, bundle.shape[2], span)
 
+CATS = 8  # added to a kind: CATS's criterion on it (ref.activation_sparsity), a(g, u) where |a(g, 1)| > thr, else 0
+
+
 def activation_py(kind, g, u, thr):
-    """a(g, u) of ref.model.ffn_activation for one neuron; compiled for the CPU here and for the GPU in fast.gpu."""
-    if kind == 0:
-        return g * u if g > 0 else 0.0
-    if kind == 1:
-        return g * u if g > thr else 0.0
-    if kind == 2:
-        return g * u if (g > 0 and u > 0) else 0.0
-    if kind == 3:
-        return g / (1.0 + math.exp(-g)) * u
-    return 0.5 * g * (1.0 + math.erf(g * 0.7071067811865476)) * u
+    """a(g, u) of ref.model.ffn_activation for one neuron, f(g) u (dReLU: f(g) relu(u)); a kind plus CATS: that
+    where |f(g)| > thr, else 0 (ref.activation_sparsity.cats_ffn_block; its base kind's own threshold 0). Compiled
+    for the CPU here and for the GPU in fast.gpu."""
+    base, t = kind % CATS, thr if kind < CATS else 0.0
+    if base == 0 or base == 2:
+        f = g if g > 0 else 0.0
+    elif base == 1:
+        f = g if g > t else 0.0
+    elif base == 3:
+        f = g / (1.0 + math.exp(-g))
+    else:
+        f = 0.5 * g * (1.0 + math.erf(g * 0.7071067811865476))
+    if kind >= CATS and not abs(f) > thr:
+        return 0.0
+    if base == 2:
+        return f * u if u > 0 else 0.0
+    return f * u
 
 
 activation = njit(inline="always")(activation_py)

@@ -10,7 +10,7 @@ from numba.extending import overload
 from fast.quant import (BLOCK, axpy, axpy2t, axpy4, axpy4t, dot, dot2, dot2_2t, dot2_4t, dot2t, dot4, dot4_ahead,
                         dot4t, dot4x4, f16_round, hints_ahead, is_float, load, n_rows, prefetch_span, q8_0_block,
                         quantize_input)
-from fast.cpu.base import FASTMATH, activation, add_bias, norm, prefetch_rows, sum_chunks
+from fast.cpu.base import CATS, FASTMATH, activation, add_bias, norm, prefetch_rows, sum_chunks
 from fast.cpu.matmul import matmul, put16
 from fast.cpu.thin import sparse_rows
 
@@ -30,8 +30,10 @@ def pre_activations(b, bias, i, x, xq, xd, xs):
 
 @njit(inline="always")
 def gate_open(kind, g, thr):
-    """Whether a(g, u) (activation) can be nonzero whatever u is: ReLU and dReLU need g > 0, FATReLU g > thr; the
-    smooth kinds always."""
+    """Whether a(g, u) (activation) can be nonzero whatever u is: ReLU and dReLU need g > 0, FATReLU g > thr, CATS
+    |f(g)| > thr (a(g, 1) != 0); the smooth kinds always."""
+    if kind >= CATS:
+        return activation(kind, g, np.float32(1.0), thr) != 0
     if kind == 0 or kind == 2:
         return g > 0
     if kind == 1:

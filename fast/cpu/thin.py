@@ -5,22 +5,52 @@ dense layout's down half (ffn.dense_down) and the FFN's down rows."""
 import numpy as np
 from numba import njit, prange
 
-from fast.cpu.base import FASTMATH, prefetch_row, sum_chunks
+from fast.cpu.base import FASTMATH, activation, prefetch_row, sum_chunks
 from fast.quant import axpy, axpy4, axpy4t
 
 
-@njit(cache=True, nogil=True)
-def thin(out, ids, x, cut):
-    """out = x * (|x| > cut) (ref.activation_sparsity.Thinning.thin, the score weights folded into cut: t for TEAL,
-    t / ||W[:, i]|| for WINA), and ids[:n] the inputs kept, in order, found in the same pass. -> n.
-    out, x, cut: [K]; ids: [K] int32."""
+@njit(inline="always")
+def kept(x, w, t):
+    """Whether an input survives: its score |x| w (TEAL: w = 1; WINA: its weight column's norm) above t."""
+    return abs(x) * w > t
+
+
+@njit(inline="always")
+def union_of(ids, out):
+    """ids[:n] the columns of out [T, K] with a non-zero entry, in order. -> n."""
     n = 0
-    for i in range(x.size):
-        keep = abs(x[i]) > cut[i]
-        out[i] = x[i] if keep else np.float32(0.0)
+    for i in range(out.shape[1]):
         ids[n] = i
-        n += keep
+        for t in range(out.shape[0]):
+            if out[t, i] != 0:
+                n += 1
+                break
     return n
+
+
+@njit(cache=True, nogil=True)
+def thin(out, ids, x, w, t):
+    """out = x * (|x| w > t) per token (ref.activation_sparsity.Thinning.thin), and ids[:n] the inputs some token
+    keeps (one token's: its own), in order. -> n.  out, x: [T, K]; w: [K] score weights; ids: [K] int32."""
+    for r in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            out[r, i] = x[r, i] if kept(x[r, i], w[i], t) else np.float32(0.0)
+    return union_of(ids, out)
+
+
+@njit(cache=True, nogil=True)
+def thin_activations(a, ids, gu, bias, kind, thr, w, t):
+    """a = the FFN's activations a(g, u) from gu [T, P F] (gated: [g | u]; not: g = gu + bias, u = 1), thinned as
+    `thin` does, and the union of the neurons kept. -> n.  a: [T, F]; bias: [F] or [0]; w: [F]; ids: [F] int32."""
+    T, F = a.shape
+    for r in range(T):
+        for i in range(F):
+            if gu.shape[1] == 2 * F:
+                v = activation(kind, gu[r, i], gu[r, F + i], thr)
+            else:
+                v = activation(kind, gu[r, i] + bias[i] if bias.size else gu[r, i], np.float32(1.0), thr)
+            a[r, i] = v if kept(v, w[i], t) else np.float32(0.0)
+    return union_of(ids, a)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)

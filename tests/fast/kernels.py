@@ -254,16 +254,36 @@ def case_dense_down(rng, T, F, D, kind, chunks=3, fmt="f32"):
     return (lambda k: (k.dense_down(out, acc, gu, down, KINDS[kind], F32(0.1)), out)[1], a @ dv)
 
 
-def case_thin(rng, K, share):
-    """x thinned by per-input cuts: a share of the inputs above theirs, the others at theirs (a tie drops) or below."""
-    x, out, ids = randn(rng, K), np.empty(K, F32), np.empty(K, np.int32)
-    keep = rng.random(K) < share
-    cut = np.where(keep, np.abs(x) * F32(0.5), np.where(rng.random(K) < 0.5, np.abs(x), np.abs(x) * 2 + 0.1)).astype(F32)
+def case_thin(rng, T, K, share):
+    """Tokens thinned by their scores |x| w (w = 1: TEAL) against t, a share of them above, some at t (a tie drops),
+    and the union of the inputs kept."""
+    x, w, t = randn(rng, T, K), np.abs(randn(rng, K)) + 0.5, F32(0.7)
+    keep = rng.random((T, K)) < share
+    x = np.where(keep, t / w * 1.5, np.where(rng.random((T, K)) < 0.5, t / w, t / w * 0.5)).astype(F32) * np.sign(x)
+    score = np.abs(x) * w  # float32, as ref computes it
+    out, ids = np.empty_like(x), np.empty(K, np.int32)
 
     def run(k):
-        n = k.thin(out, ids, x, cut)
-        return np.concatenate([out, ids[:n].astype(F32)])
-    return run, np.concatenate([np.where(keep, x, 0), np.flatnonzero(keep).astype(F32)])
+        n = k.thin(out, ids, x, w, t)
+        return np.concatenate([out.ravel(), ids[:n].astype(F32)])
+    return run, np.concatenate([np.where(score > t, x, 0).ravel(), np.flatnonzero((score > t).any(0)).astype(F32)])
+
+
+def case_thin_activations(rng, T, F, kind, share, gated=True):
+    """The FFN's activations (gated, or g plus the up rows' bias) thinned by |a| w > t, and their union."""
+    gu, bias, w = randn(rng, T, (2 if gated else 1) * F), randn(rng, F), np.abs(randn(rng, F)) + 0.5
+    g = gu[:, :F].astype(np.float64) + (0 if gated else bias)
+    a = ffn_activation(kind, g, gu[:, F:].astype(np.float64) if gated else np.ones_like(g), 0.1).astype(F32)
+    scores = np.sort(np.abs(a) * w, axis=None)
+    k = int(len(scores) * (1 - share))  # t halfway between two scores: no entry near it
+    t = F32(np.inf) if share == 0 else F32(-1) if share == 1 else F32((scores[k - 1] + scores[k]) / 2)
+    keep = np.abs(a) * w > t
+    out, ids = np.empty((T, F), F32), np.empty(F, np.int32)
+
+    def run(k):
+        n = k.thin_activations(out, ids, gu, EMPTY if gated else bias, KINDS[kind], F32(0.1), w, t)
+        return np.concatenate([out.ravel(), ids[:n].astype(F32)])
+    return run, np.concatenate([np.where(keep, a, 0).ravel(), np.flatnonzero(keep.any(0)).astype(F32)])
 
 
 def case_sparse_rows(rng, T, K, N, share, chunks=3, fmt="f32"):
@@ -322,6 +342,7 @@ CASES = {
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set, "union_mask": case_union_mask,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
     "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block, "thin": case_thin,
+    "thin_activations": case_thin_activations,
     "sparse_rows": case_sparse_rows,
     "decode_attention_block": case_decode_attention_block, "ffn_batch_block": case_ffn_batch_block,
 }
@@ -404,7 +425,13 @@ SHAPES = [
     ("dense_down", dict(T=1, F=37, D=19, kind="relu"), False), ("dense_down", dict(T=1, F=9, D=8, kind="drelu", chunks=7), False),
     ("dense_down", dict(T=5, F=40, D=19, kind="fatrelu"), False), ("dense_down", dict(T=6, F=30, D=33, kind="silu"), False),
     ("dense_ffn_block", dict(F=50, D=19, kind="relu"), False), ("dense_ffn_block", dict(F=9, D=8, kind="silu"), False),
-    ("thin", dict(K=37, share=0.5), False), ("thin", dict(K=8, share=0.0), False), ("thin", dict(K=9, share=1.0), False),
+    ("thin", dict(T=1, K=37, share=0.5), False), ("thin", dict(T=1, K=8, share=0.0), False),
+    ("thin", dict(T=1, K=9, share=1.0), False), ("thin", dict(T=4, K=33, share=0.3), False),
+    ("thin_activations", dict(T=1, F=40, kind="silu", share=0.5), False),
+    ("thin_activations", dict(T=3, F=37, kind="relu", share=0.2), False),
+    ("thin_activations", dict(T=2, F=9, kind="gelu", share=0.0), False),
+    ("thin_activations", dict(T=1, F=20, kind="silu", share=1.0), False),
+    ("thin_activations", dict(T=3, F=30, kind="relu", share=0.4, gated=False), False),
     *[("sparse_rows", dict(T=T, K=K, N=N, share=share, fmt=fmt), False) for fmt in ("f32", "f16", "bf16", "q8_0", "q4_0")
       for T, K, N, share in ((1, 37, 64, 0.5), (1, 9, 32, 0.0), (1, 40, 96, 1.0), (5, 30, 64, 0.3), (6, 7, 32, 1.0))],
     ("sparse_rows", dict(T=1, K=9, N=19, share=0.6, chunks=7), False), ("sparse_rows", dict(T=3, K=5, N=3, share=0.5), False),
@@ -475,7 +502,7 @@ SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; the embeddings too; batched prefill runs on the CPU so far.
 CPU_ONLY = {"embed", "predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block", "ffn_batch_block",
-            "decode_attention_block", "thin", "sparse_rows"}
+            "decode_attention_block", "thin", "thin_activations", "sparse_rows"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
 
