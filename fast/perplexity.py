@@ -20,7 +20,7 @@ import numpy as np
 
 from fast.load import load_engine, say_compiling
 from ref.common.checkpoint import load_checkpoint
-from ref.common.cli import FORMAT_CHOICE, resolve_model, user_errors
+from ref.common.cli import FORMAT_CHOICE, activation_sparsity_options, resolve_model, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.profile import corpus_tokens
 from ref.sparse import default_predictors
@@ -62,13 +62,7 @@ def estimate(nll: np.ndarray) -> tuple[float, float]:
 @click.option("--predictors", type=click.Path(path_type=Path), default=None,
               help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer file's own]")
 @click.option("--predictor-type", type=FORMAT_CHOICE, default=None, help="Format to run the predictors in.")
-@click.option("--sparsity", type=float, default=None,
-              help="Training-free activation sparsity: thin every linear layer's input to this model-wide share "
-                   "(thresholds from scripts/calibrate_sparsity.py) [default: off].")
-@click.option("--sparsity-method", type=click.Choice(["teal", "wina", "cats"]), default="teal", show_default=True,
-              help="teal: |x|; wina: |x| times the weight column's norm; cats: the FFN by its gate's activation.")
-@click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
-              help="Thresholds file [default: MODEL_DIR/sparsity.safetensors].")
+@activation_sparsity_options
 @user_errors
 def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predictors, predictor_type, sparsity,
          sparsity_method, sparsity_file):

@@ -28,7 +28,7 @@ from fast.api import ApiError, Shape, check_messages, field, parse_json, parse_p
 from fast.chat import ChatTemplate, TemplateError, model_template
 from fast.guard import LARGE, MAX_BODY, BodyError, Guard, give_back_memory, head_deadline, host_names
 from fast.scheduler import Params, QueueFull, Request, Scheduler, ShuttingDown
-from ref.common.cli import FORMAT_CHOICE, resolve_model, user_errors
+from ref.common.cli import FORMAT_CHOICE, activation_sparsity_options, resolve_model, user_errors
 from ref.common.errors import UserError
 
 PAGE = Path(__file__).with_name("chat.html")
@@ -364,13 +364,7 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
 @click.option("--predictors", type=click.Path(path_type=Path), default=None,
               help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer GGUF's own]")
 @click.option("--vram-budget", type=float, default=None, help="GiB of GPU memory (gpu/hybrid).")
-@click.option("--sparsity", type=float, default=None,
-              help="Training-free activation sparsity: thin every linear layer's input to this model-wide share "
-                   "(thresholds from scripts/calibrate_sparsity.py) [default: off].")
-@click.option("--sparsity-method", type=click.Choice(["teal", "wina", "cats"]), default="teal", show_default=True,
-              help="teal: |x|; wina: |x| times the weight column's norm; cats: the FFN by its gate's activation.")
-@click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
-              help="Thresholds file [default: MODEL_DIR/sparsity.safetensors].")
+@activation_sparsity_options
 @click.option("-a", "--alias", default=None, help="The model's name in the API [default: the model's file or folder name].")
 @click.option("--api-key", default=None, envvar="POWERINFER_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every route but / and /health.")

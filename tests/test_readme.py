@@ -27,9 +27,10 @@ def test_every_block_is_runnable_text_or_says_why_not():
 
 @pytest.mark.parametrize("lang, code", RUNNABLE, ids=[code.splitlines()[0][:60] for _, code in RUNNABLE])
 def test_readme_block_runs_as_pasted(lang, code, tmp_path):
-    """In a folder of its own (the files a block writes stay there) that sees the repository's data/ as README's
-    commands do from the repository root; .venv/bin/python is this interpreter."""
+    """In a folder of its own (the files a block writes stay there) that sees the repository's data/ and scripts/ as
+    README's commands do from the repository root; .venv/bin/python is this interpreter."""
     (tmp_path / "data").symlink_to(ROOT / "data")
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if lang == "bash":
         cmd = ["bash", "-e", "-o", "pipefail", "-c", code.replace(".venv/bin/python", sys.executable)]

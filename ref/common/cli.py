@@ -138,6 +138,25 @@ class Sparsity:
         return self
 
 
+ACTIVATION_SPARSITY_FLAGS = [  # activation sparsity (ref.activation_sparsity), in every CLI that loads a model
+    click.option("--sparsity", type=float, default=None,
+                 help="Training-free activation sparsity: thin every linear layer's input to this model-wide share, "
+                      "by thresholds calibrated for the model (scripts/calibrate_sparsity.py) [default: off]."),
+    click.option("--sparsity-method", type=click.Choice(["teal", "wina", "cats"]), default="teal", show_default=True,
+                 help="teal: |x|; wina: |x| times the weight column's norm; cats: the FFN by its gate's activation."),
+    click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
+                 help="Thresholds file [default: MODEL_DIR/sparsity.safetensors]."),
+]
+
+
+def activation_sparsity_options(f):
+    """ACTIVATION_SPARSITY_FLAGS on a command that takes them as the arguments sparsity, sparsity_method,
+    sparsity_file."""
+    for option in reversed(ACTIVATION_SPARSITY_FLAGS):
+        f = option(f)
+    return f
+
+
 SPARSITY_FLAGS = [
     click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors)."),
     click.option("--predictors", type=click.Path(path_type=Path), default=None,
@@ -146,13 +165,7 @@ SPARSITY_FLAGS = [
     click.option("--predictor-type", type=FORMAT_CHOICE, default=None,
                  help="Format to run the predictors in [default: a checkpoint's own as stored; a file's in the "
                       "weights' format, q8_0 beside f16 and bf16]."),
-    click.option("--sparsity", type=float, default=None,
-                 help="Training-free activation sparsity: thin every linear layer's input to this model-wide share, "
-                      "by thresholds calibrated for the model (scripts/calibrate_sparsity.py) [default: off]."),
-    click.option("--sparsity-method", type=click.Choice(["teal", "wina", "cats"]), default="teal", show_default=True,
-                 help="teal: |x|; wina: |x| times the weight column's norm; cats: the FFN by its gate's activation."),
-    click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
-                 help="Thresholds file [default: MODEL_DIR/sparsity.safetensors]."),
+    *ACTIVATION_SPARSITY_FLAGS,
 ]
 
 
