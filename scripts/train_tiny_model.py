@@ -25,7 +25,7 @@ except ImportError:
     sys.exit("train_tiny_model.py: PyTorch is missing; install the extra: pip install -e '.[train]'")
 
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 STORY_SEP = "<|endoftext|>"
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in LLaMA
@@ -49,6 +49,7 @@ def train_tokenizer(stories: list[str], vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(stories, trainer=trainer)
+    tok.normalizer = normalizers.Lowercase()  # the corpus is lowercase: a prompt is read as the model was trained
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     return tok
 

@@ -11,6 +11,7 @@ from ref.common.safetensors import write_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "data" / "tiny-relu-llama"
+SHIPPED_SILU = ROOT / "data" / "tiny-silu-llama"  # its SwiGLU twin (activation sparsity's accuracy)
 # The tiny OPT and Falcon checkpoints (scripts/make_family_models.py), one per variant, with golden logits.
 FAMILIES = ROOT / "tests" / "families"
 VARIANTS = ["opt-pre-ln", "opt-post-ln", "falcon-gqa", "falcon-multi-query", "falcon-interleaved"]  # ReLU FFNs

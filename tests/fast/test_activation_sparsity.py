@@ -12,17 +12,17 @@ from ref.activation_sparsity import DEFAULT_FILE, apply_sparsity, sparsity_to_ru
 from ref.common.batch import Batch
 from ref.quant import quantize_model
 from ref.sparse import load_model
-from tests.helpers import ROOT, SHIPPED, assert_close
+from tests.helpers import ROOT, SHIPPED, SHIPPED_SILU, assert_close
 
 IDS = [1, 45, 300, 12, 99, 7, 1000, 5, 8, 77, 31, 2000]
 PREDICTORS = SHIPPED / "predictors.safetensors"
 
 
-def ref_logits(method, fmt, sparsity=0.5, predictors=None):
-    model = load_model(SHIPPED, predictors)
+def ref_logits(method, fmt, sparsity=0.5, predictors=None, path=SHIPPED):
+    model = load_model(path, predictors)
     if fmt != "f16":
         model = quantize_model(model, fmt)
-    apply_sparsity(model, method, sparsity_to_run(model.config, SHIPPED, sparsity, method), ffn=predictors is None)
+    apply_sparsity(model, method, sparsity_to_run(model.config, path, sparsity, method), ffn=predictors is None)
     return model.logits(IDS)
 
 
@@ -50,6 +50,15 @@ def test_engine_is_refs_model(method, fmt):
     engine = load_engine(SHIPPED, type_=fmt, threads=2, sparsity=0.5, sparsity_method=method)
     assert_same_model(engine.logits(IDS), want, f"{method} {fmt} prompt")
     assert_same_model(decode(engine, IDS), want, f"{method} {fmt} decode")
+
+
+@pytest.mark.parametrize("method, fmt", [("teal", "f16"), ("wina", "f16"), ("cats", "f16"), ("wina", "q4_0"),
+                                         ("cats", "q8_0")])
+def test_swiglu_twin_is_refs_model(method, fmt):
+    """The SwiGLU twin, the model activation sparsity is for: every neuron fires, each input is thinned."""
+    want = ref_logits(method, fmt, 0.4, path=SHIPPED_SILU)
+    engine = load_engine(SHIPPED_SILU, type_=fmt, threads=2, sparsity=0.4, sparsity_method=method)
+    assert_same_model(decode(engine, IDS), want, f"{method} {fmt}")
 
 
 def test_beside_predictors_only_attention_is_thinned():

@@ -6,17 +6,20 @@ import ref
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.model import attention, ffn_activation, fired, rmsnorm, rope
-from tests.helpers import SHIPPED, assert_close, write_model
+from tests.helpers import SHIPPED, SHIPPED_SILU, assert_close, write_model
 
 GOLDEN = load_file(SHIPPED / "golden.safetensors")
 N_GOLDEN = len([k for k in GOLDEN if k.endswith(".ids")])
 
 
 @pytest.mark.parametrize("j", range(N_GOLDEN))
-def test_golden_logits(shipped_model, j):
-    """Logits match the training script's own PyTorch implementation, 1e-4 relative per position."""
-    ids, want = GOLDEN[f"prompts.{j}.ids"], GOLDEN[f"prompts.{j}.logits"]
-    got = shipped_model.logits(ids)
+@pytest.mark.parametrize("path", [SHIPPED, SHIPPED_SILU], ids=["relu", "silu"])
+def test_golden_logits(path, j):
+    """Logits of both shipped models match the training script's own PyTorch implementation, 1e-4 relative per
+    position."""
+    golden = load_file(path / "golden.safetensors")
+    ids, want = golden[f"prompts.{j}.ids"], golden[f"prompts.{j}.logits"]
+    got = ref.load_model(path).logits(ids)
     assert got.dtype == np.float32 and got.shape == want.shape
     for t in range(len(ids)):
         assert_close(got[t], want[t], rtol=1e-4, name=f"prompt {j} position {t}")
