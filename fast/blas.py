@@ -191,6 +191,16 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
     gemm(out, g, b[:, P - 1, :])
 
 
+def sparse_rows(out, acc, x, wt, ids, n):
+    """Same contract as fast.cpu.sparse_rows (acc unused): the rows of the kept inputs decoded once, then one GEMM,
+    out = x[:, ids] W^T[ids]."""
+    if n == 0:
+        out[:] = 0
+        return
+    kept = ids[:n]
+    gemm(out, np.ascontiguousarray(x[:, kept]), dense(wt, kept))
+
+
 def dense_down(out, acc, gu, down, kind, thr):
     """Same contract as fast.cpu.dense_down (acc unused): the down rows decoded once, then one GEMM,
     out = a(g, u) Wd."""

@@ -435,6 +435,7 @@ SHAPES = [
     *[("sparse_rows", dict(T=T, K=K, N=N, share=share, fmt=fmt), False) for fmt in ("f32", "f16", "bf16", "q8_0", "q4_0")
       for T, K, N, share in ((1, 37, 64, 0.5), (1, 9, 32, 0.0), (1, 40, 96, 1.0), (5, 30, 64, 0.3), (6, 7, 32, 1.0))],
     ("sparse_rows", dict(T=1, K=9, N=19, share=0.6, chunks=7), False), ("sparse_rows", dict(T=3, K=5, N=3, share=0.5), False),
+    ("sparse_rows", dict(T=40, K=33, N=64, share=0.4, fmt="q4_0"), False), ("sparse_rows", dict(T=37, K=9, N=5, share=0.0), False),
     ("dense_ffn_block", dict(F=20, D=19, kind="relu", norm="layer"), False),
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),

@@ -85,6 +85,13 @@ def test_sequences_decoding_together_are_each_alone():
     assert_same_model(together, np.stack(alone), "together")
 
 
+def test_a_long_prompt_is_tokens_thinned_one_by_one():
+    """A prompt long enough for BLAS (fast.blas.sparse_rows) computes what decoding it token by token does."""
+    ids = np.random.default_rng(0).integers(3, 4000, 300)
+    engine = load_engine(SHIPPED_SILU, threads=2, sparsity=0.4, sparsity_method="wina")
+    assert_same_model(engine.logits(ids)[-8:], decode(engine, ids)[-8:], "prompt")
+
+
 def test_sparsity_zero_is_the_dense_engine():
     dense = load_engine(SHIPPED, predictors=None, threads=2).logits(IDS)
     assert np.array_equal(load_engine(SHIPPED, threads=2, sparsity=0.0).logits(IDS), dense)
