@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 import click
+import numpy as np
 
-from ref.common.artifacts import Predictors
+from ref.common.artifacts import DEFAULT_SPARSITY_FILE, Predictors, Thresholds
 from ref.common.cli import check_model_dir, output_file, user_errors
 from ref.common.config import ModelConfig
 from ref.common.formats import FORMATS, Format, format_of
-from ref.common.gguf_io import (PERMUTED, THRESHOLD_KEY, Metadata, Planned, copied_kv, is_gguf, model_kv, read_gguf,
-                                rope_freqs, rope_rows, write_gguf)
+from ref.common.gguf_io import (PERMUTED, SPARSITY_PREFIX, THRESHOLD_KEY, Metadata, Planned, copied_kv, is_gguf,
+                                model_kv, read_gguf, rope_freqs, rope_rows, write_gguf)
 from ref.common.names import GGUF_NAMES, expected_shapes, gguf_architecture, gguf_name
 from ref.common.progress import Progress
 from ref.common.safetensors import upcast
@@ -31,11 +32,12 @@ from ref.quant import Transposed, predictor_format, quantize, stored_format, ten
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
-def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned]:
+def plan(w: Weights, fmt: Format, predictors: Predictors | None, sparsity: Thresholds | None = None) -> list[Planned]:
     """The file's tensors in order, each computed when written: norms and biases f32; matrices in fmt (attn_q /
     attn_k rows in llama.cpp's order where its architecture permutes them; the down matrix transposed when predictors
     come along); rope_freqs where the frequencies are scaled per frequency; predictors in the format that goes with
-    fmt where their rows are whole blocks of it, else f16 (ref.quant.predictor_format)."""
+    fmt where their rows are whole blocks of it, else f16 (ref.quant.predictor_format); an activation-sparsity
+    calibration's tensors f32 under `sparsity.`."""
     cfg, out = w.config, rope_freqs(w.config)
     permuted = gguf_architecture(cfg) in PERMUTED
     for name, shape in expected_shapes(cfg).items():
@@ -52,6 +54,8 @@ def plan(w: Weights, fmt: Format, predictors: Predictors | None) -> list[Planned
         for part, t in (("fc1", a), ("fc2", b)):
             f = predictor_format(fmt, t.shape[-1])
             out.append(Planned(f"blk.{l}.{part}.weight", tuple(t.shape), f, lambda t=t, f=f: quantize(upcast(t), f)))
+    for key, t in (sparsity.tensors() if sparsity is not None else {}).items():
+        out.append(Planned(SPARSITY_PREFIX + key, t.shape, FORMATS["f32"], lambda t=t: t.astype(np.float32)))
     return out
 
 
@@ -85,7 +89,7 @@ def main(model, out, type_, predictors, dense, force):
     meta = None
     if from_gguf:
         ck = read_gguf(model)
-        w, meta = Weights(ck.config, ck.tensors, ck.predictors, model), ck.meta
+        w, meta = Weights(ck.config, ck.tensors, ck.predictors, model, ck.sparsity), ck.meta
         if model.resolve() == out.resolve():
             raise UserError(f"-o {out}: the file being read; write another")
     else:
@@ -97,22 +101,28 @@ def main(model, out, type_, predictors, dense, force):
         w = Weights.load(model, cfg)
     cfg = w.config
     fmt = format_of(type_) if type_ is not None else stored_format(w) if from_gguf else FORMATS["f16"]
+    beside = None if from_gguf else model / DEFAULT_SPARSITY_FILE
+    # a PowerInfer file carries the model's activation-sparsity calibration (llama.cpp refuses unknown tensors)
+    sparsity = None if dense else Thresholds.load(beside) if beside is not None and beside.is_file() else w.sparsity
     pred = None
     if not dense:
-        if predictors is None and from_gguf and w.predictors is None:
-            raise UserError(f"{model}: a GGUF file without predictors; --predictors FILE adds them (--dense writes "
-                            "llama.cpp's layout without them)")
-        predictors = predictors or (None if from_gguf else model / "predictors.safetensors")
+        own = w.predictors if from_gguf else model / "predictors.safetensors"
+        if predictors is None and (own is None or not from_gguf and not own.is_file()) and sparsity is None:
+            raise UserError(f"{model}: no predictors and no activation-sparsity thresholds to carry; --predictors "
+                            "FILE adds predictors (--dense writes llama.cpp's layout without them)")
         if predictors is not None and not predictors.is_file():
             raise UserError(f"--predictors {predictors}: not found (a PowerInfer file carries predictors; "
                             "--dense writes llama.cpp's layout without them)")
-        pred = Predictors.load(predictors, cfg) if predictors is not None else w.predictors
+        if predictors is not None or not from_gguf and own.is_file():
+            pred = Predictors.load(predictors or own, cfg)
+        elif from_gguf:
+            pred = w.predictors
     kind = "gguf" if dense else "powerinfer"
     name = model.stem if from_gguf else model.resolve().name
     kv = model_kv(cfg, fmt, name) + tokenizer_of(model, meta, cfg)
     if pred is not None:
         kv.append(("add_float32", THRESHOLD_KEY, pred.threshold))
-    planned = plan(w, fmt, pred)
+    planned = plan(w, fmt, pred, sparsity)
     total = sum(p.fmt.nbytes(p.shape) for p in planned)
     progress = Progress(f"writing {out.name}", total / 2**20, unit="MiB")
     def written(i, n, nbytes):  # each source tensor is read once: drop its pages (resident memory stays one tensor)
@@ -122,7 +132,7 @@ def main(model, out, type_, predictors, dense, force):
     size = write_gguf(out, kind, gguf_architecture(cfg), kv, planned, written)
     progress.close()
     shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-    click.echo(f"wrote {out}: {'PowerInfer' if pred is not None else 'llama.cpp'} GGUF, {fmt.name}, {len(planned)} "
+    click.echo(f"wrote {out}: {'PowerInfer' if kind == 'powerinfer' else 'llama.cpp'} GGUF, {fmt.name}, {len(planned)} "
                f"tensors, {shown} in {time.perf_counter() - t0:.1f} s")
 
 

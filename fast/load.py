@@ -54,7 +54,7 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     if fmt is not None and stored.quantized and fmt != stored:
         raise UserError(f"--type {fmt.name}: {path} is quantized to {stored.name} already; quantizing it again loses "
                         f"accuracy twice (convert the original checkpoint instead)")
-    cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file)
+    cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file, embedded=w.sparsity)
     if cut is not None and device != "cpu":
         raise UserError(f"--sparsity with --device {device}: activation sparsity runs on the CPU so far")
     check_memory(path, w.config, fmt or stored)

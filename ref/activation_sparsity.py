@@ -27,26 +27,22 @@ allocation: from 0, repeatedly raise the site whose step costs the block output'
 Dimensions: T tokens, D d_model, F FFN neurons, H heads, E head dim, L layers, N levels of the table, B bins.
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from ref.common.artifacts import atomic_save
+from ref.common.artifacts import DEFAULT_SPARSITY_FILE as DEFAULT_FILE
+from ref.common.artifacts import LEVELS, METHODS, SITES, Thresholds, site_widths as widths
 from ref.common.batch import Batch, check_batch
 from ref.common.errors import UserError
-from ref.common.safetensors import open_safetensors, read_header, upcast
+from ref.common.safetensors import upcast
 from ref.model import Model, ffn_activation
 from ref.quant import Quantized, Transposed, quantize, tensor_format
 
-SITES = ("attn_in", "attn_out", "ffn_in", "ffn_hidden")
 ATTENTION = SITES[:2]
-METHODS = ("teal", "wina", "cats")
 ALLOCATIONS = ("uniform", "greedy")
 MATRICES = {"attn_in": ("wq", "wk", "wv", "wqkv"), "attn_out": ("wo",), "ffn_in": ("wg", "wu"), "ffn_hidden": ("wd",)}
-LEVELS = np.arange(100) / 100  # [N] the sparsities the table holds a threshold for; others are interpolated
 EDGES = np.geomspace(1e-7, 1e7, 4097)  # [B + 1] histogram bins of scores (steps of 0.8 %); below: bin 0 (zero)
-DEFAULT_FILE = "sparsity.safetensors"
 
 
 def site_matrices(model: Model, l: int, site: str) -> list[str]:
@@ -75,103 +71,6 @@ def model_sparsity(model: Model, method: str, levels: np.ndarray) -> float:
     w = widths(model.config)
     block = (site_weights(model, "teal") * w).sum()  # every matrix of a block
     return float((np.asarray(levels) * site_weights(model, method) * w).sum() / (len(levels) * block))
-
-
-def widths(cfg) -> np.ndarray:
-    """Each site's input width [4]: D, H E, D, F."""
-    return np.array([cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.d_model, cfg.d_ffn], np.int64)
-
-
-class Thresholds:
-    """A calibration: per method, the threshold of each sparsity level at each (layer, site) (table [L, 4, N]) and,
-    where greedy allocation ran, each block's site sparsities for targets on its grid (greedy [G, L, 4]).
-
-    sparsity.safetensors: `{method}.table` float32 [L, 4, N], `{method}.greedy` float32 [G, L, 4] (optional),
-    `greedy_targets` float32 [G], `widths` int64 [4]; metadata: methods, corpus, corpus_sha256, tokens."""
-
-    def __init__(self, tables: dict, greedy: dict, targets: np.ndarray, site_widths: np.ndarray, metadata: dict):
-        self.tables, self.greedy, self.targets = tables, greedy, targets
-        self.widths, self.metadata = site_widths, metadata
-
-    def levels(self, cfg, method: str, sparsity: float, allocation: str = "uniform") -> np.ndarray:
-        """Per-(layer, site) sparsities [L, 4] for a model-wide target: `uniform` every site at it (CATS: ffn_in
-        dense, so its neurons at the target times the FFN's parameters over those a skipped neuron leaves unread:
-        1.5 gated, 2 not), `greedy` each block's allocation for the target, interpolated between the grid's."""
-        L = self.tables[method].shape[0]
-        if allocation == "greedy":
-            if method not in self.greedy:
-                raise UserError(f"the thresholds file has no greedy allocation for {method} (calibrate with --greedy)")
-            g = self.greedy[method]  # [G, L, 4]
-            i = int(np.clip(np.searchsorted(self.targets, sparsity), 1, len(self.targets) - 1))
-            a, b = self.targets[i - 1], self.targets[i]
-            s = np.clip((sparsity - a) / (b - a), 0, 1)
-            return (1 - s) * g[i - 1] + s * g[i]
-        out = np.full((L, len(SITES)), sparsity)
-        if method == "cats":
-            out[:, 2], out[:, 3] = 0, min(sparsity * (1.5 if cfg.gated else 2.0), LEVELS[-1])
-        return out
-
-    def cut(self, method: str, levels: np.ndarray) -> np.ndarray:
-        """The thresholds [L, 4] of per-site sparsities levels [L, 4]: each table's values interpolated; level 0 is
-        threshold 0 (keep everything)."""
-        table = self.tables[method]  # [L, 4, N]
-        L = table.shape[0]
-        out = np.zeros((L, len(SITES)), np.float32)
-        for l in range(L):
-            for s in range(len(SITES)):
-                out[l, s] = np.interp(levels[l, s], LEVELS, table[l, s]) if levels[l, s] > 0 else 0.0
-        return out
-
-    def check(self, cfg, method: str, path) -> None:
-        """This calibration must be of a model with cfg's layers and widths, and hold `method`."""
-        L = next(iter(self.tables.values())).shape[0]
-        if L != cfg.n_layers or not np.array_equal(self.widths, widths(cfg)):
-            raise UserError(f"{path}: thresholds for {L} layers of site widths {self.widths.tolist()}, the model has "
-                            f"{cfg.n_layers} of {widths(cfg).tolist()} (a file of another model?)")
-        if method not in self.tables:
-            raise UserError(f"--sparsity-method {method}: {path} was calibrated for {', '.join(self.tables)} "
-                            f"(scripts/calibrate_sparsity.py --methods {method})")
-
-    def save(self, path: Path) -> None:
-        tensors = {f"{m}.table": t.astype(np.float32) for m, t in self.tables.items()}
-        tensors |= {f"{m}.greedy": g.astype(np.float32) for m, g in self.greedy.items()}
-        if self.greedy:
-            tensors["greedy_targets"] = np.asarray(self.targets, np.float32)
-        tensors["widths"] = self.widths.astype(np.int64)
-        atomic_save(path, tensors, {k: json.dumps(v) for k, v in self.metadata.items()})
-
-    @staticmethod
-    def load(path: str | Path) -> "Thresholds":
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"{path}: thresholds file not found")
-        tensors = open_safetensors(path)
-        try:
-            meta = {k: json.loads(v) for k, v in read_header(path)[2].items()}
-        except json.JSONDecodeError:
-            raise UserError(f"{path}: corrupt metadata") from None
-        tables, greedy = {}, {}
-        for key, t in tensors.items():
-            method, _, part = key.partition(".")
-            if key == "widths" or key == "greedy_targets":
-                continue
-            if method not in METHODS or part not in ("table", "greedy"):
-                raise UserError(f"{path}: unexpected tensor key '{key}' (want <teal|wina|cats>.<table|greedy>)")
-            (tables if part == "table" else greedy)[method] = np.asarray(t, np.float32)
-        if "widths" not in tensors or tuple(tensors["widths"].shape) != (len(SITES),) or not tables:
-            raise UserError(f"{path}: not a thresholds file (no 'widths' [4] or no table)")
-        shapes = {t.shape for t in tables.values()}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 3 or next(iter(shapes))[1:] != (len(SITES), len(LEVELS)):
-            raise UserError(f"{path}: tables of shapes {sorted(shapes)}, want [L, {len(SITES)}, {len(LEVELS)}]")
-        L = next(iter(shapes))[0]
-        targets = np.asarray(tensors.get("greedy_targets", np.zeros(0)), np.float64)
-        for m, g in greedy.items():
-            if g.shape != (len(targets), L, len(SITES)) or len(targets) < 2 or np.any(np.diff(targets) <= 0):
-                raise UserError(f"{path}: {m}.greedy of shape {g.shape} does not match greedy_targets {targets.shape}")
-        for m, t in tables.items():
-            if not np.all(np.isfinite(t)) or np.any(t < 0) or np.any(np.diff(t, axis=-1) < 0):
-                raise UserError(f"{path}: {m}.table holds thresholds that are negative, not finite or not increasing")
-        return Thresholds(tables, greedy, targets, np.asarray(tensors["widths"], np.int64), meta)
 
 
 def check_sparsity(sparsity: float, flag: str = "--sparsity") -> float:
@@ -267,20 +166,12 @@ def cats_ffn_block(model: Model, l: int, h: np.ndarray, dense_linear) -> np.ndar
     return dense_linear(a, f"layers.{l}.wd")
 
 
-def thresholds_file(path, given: Path | None) -> Path:
-    """The thresholds a model runs with: --sparsity-file, else DEFAULT_FILE in the model's folder."""
-    if given is not None:
-        return Path(given)
-    if not Path(path).is_dir():
-        raise UserError(f"--sparsity: {path} is a file; name its thresholds with --sparsity-file")
-    return Path(path) / DEFAULT_FILE
-
-
 def sparsity_to_run(cfg, path, sparsity: float | None, method: str = "teal", given: Path | None = None,
-                    allocation: str | None = None) -> np.ndarray | None:
-    """The thresholds [L, 4] of --sparsity S by `method` from the model's calibration (`thresholds_file`), each
-    block's allocation the file's greedy one where it has it for the method, else uniform; None for no sparsity or
-    S = 0 (the dense model, exactly)."""
+                    allocation: str | None = None, embedded: Thresholds | None = None) -> np.ndarray | None:
+    """The thresholds [L, 4] of --sparsity S by `method` from the model's calibration: --sparsity-file (`given`),
+    else a GGUF file's own (`embedded`), else DEFAULT_FILE in the model's folder; each block's allocation the
+    calibration's greedy one where it has it for the method, else uniform. None for no sparsity or S = 0 (the dense
+    model, exactly)."""
     if sparsity is None:
         return None
     check_sparsity(sparsity)
@@ -288,12 +179,17 @@ def sparsity_to_run(cfg, path, sparsity: float | None, method: str = "teal", giv
         raise UserError(f"--sparsity-method must be one of {', '.join(METHODS)}, got {method!r}")
     if sparsity == 0:
         return None
-    file = thresholds_file(path, given)
-    if not file.is_file():
-        raise UserError(f"--sparsity {sparsity}: {file} not found; calibrate the model first: "
-                        f"python scripts/calibrate_sparsity.py {path}")
-    th = Thresholds.load(file)
-    th.check(cfg, method, file)
+    if given is None and embedded is not None:
+        th, source = embedded, path
+    else:
+        if given is None and not Path(path).is_dir():
+            raise UserError(f"--sparsity: {path} carries no thresholds; name a file with --sparsity-file")
+        source = Path(given) if given is not None else Path(path) / DEFAULT_FILE
+        if not source.is_file():
+            raise UserError(f"--sparsity {sparsity}: {source} not found; calibrate the model first: "
+                            f"python scripts/calibrate_sparsity.py {path}")
+        th = Thresholds.load(source)
+    th.check(cfg, method, source)
     allocation = allocation or ("greedy" if method in th.greedy else "uniform")
     return th.cut(method, th.levels(cfg, method, sparsity, allocation))
 

@@ -5,8 +5,9 @@ numerically indexed layer keys. All safetensors, never pickle.
 | activations | `layers.{l}.counts` int64 [F] (tokens on which the neuron fired), `tokens` int64 [1] | corpus, corpus_sha256, model_sha256 |
 | predictors | `layers.{l}.fc1.weight` [R_l, D], `layers.{l}.fc2.weight` [F, R_l] | threshold, per-layer held-out metrics |
 | placement | `layers.{l}.gpu_neurons` int32 sorted | the request (budget, hardware, format, activations hash, ...), `dense_on_gpu`, the solver's report |
+| sparsity | `{method}.table` [L, 4, N], `{method}.greedy` [G, L, 4], `greedy_targets` [G], `widths` [4] | methods, corpus, corpus_sha256, tokens |
 
-Dimensions: D d_model, F FFN neurons, R predictor hidden size, L layers.
+Dimensions: D d_model, F FFN neurons, R predictor hidden size, L layers, N sparsity levels, G greedy targets.
 """
 
 import hashlib
@@ -195,3 +196,121 @@ def load_placement(path: str | Path, n_layers: int | None = None, d_ffn: int | N
             raise UserError(f"{path}: layer {l} has neuron id {ids[-1]}, the model has F = {d_ffn}")
         out.append(ids.copy())
     return out, meta
+
+
+# Activation sparsity's calibration (ref.activation_sparsity): a layer's four sites, the methods, the levels of a table
+SITES = ("attn_in", "attn_out", "ffn_in", "ffn_hidden")
+METHODS = ("teal", "wina", "cats")
+LEVELS = np.arange(100) / 100  # [N] the sparsities the table holds a threshold for; others are interpolated
+DEFAULT_SPARSITY_FILE = "sparsity.safetensors"
+
+
+def site_widths(cfg) -> np.ndarray:
+    """Each site's input width [4]: D, H E, D, F."""
+    return np.array([cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.d_model, cfg.d_ffn], np.int64)
+
+
+class Thresholds:
+    """A calibration: per method, the threshold of each sparsity level at each (layer, site) (table [L, 4, N]) and,
+    where greedy allocation ran, each block's site sparsities for targets on its grid (greedy [G, L, 4]).
+
+    sparsity.safetensors: `{method}.table` float32 [L, 4, N], `{method}.greedy` float32 [G, L, 4] (optional),
+    `greedy_targets` float32 [G], `widths` int64 [4]; metadata: methods, corpus, corpus_sha256, tokens."""
+
+    def __init__(self, tables: dict, greedy: dict, targets: np.ndarray, site_widths: np.ndarray, metadata: dict):
+        self.tables, self.greedy, self.targets = tables, greedy, targets
+        self.widths, self.metadata = site_widths, metadata
+
+    def levels(self, cfg, method: str, sparsity: float, allocation: str = "uniform") -> np.ndarray:
+        """Per-(layer, site) sparsities [L, 4] for a model-wide target: `uniform` every site at it (CATS: ffn_in
+        dense, so its neurons at the target times the FFN's parameters over those a skipped neuron leaves unread:
+        1.5 gated, 2 not), `greedy` each block's allocation for the target, interpolated between the grid's."""
+        L = self.tables[method].shape[0]
+        if allocation == "greedy":
+            if method not in self.greedy:
+                raise UserError(f"the thresholds file has no greedy allocation for {method} (calibrate with --greedy)")
+            g = self.greedy[method]  # [G, L, 4]
+            i = int(np.clip(np.searchsorted(self.targets, sparsity), 1, len(self.targets) - 1))
+            a, b = self.targets[i - 1], self.targets[i]
+            s = np.clip((sparsity - a) / (b - a), 0, 1)
+            return (1 - s) * g[i - 1] + s * g[i]
+        out = np.full((L, len(SITES)), sparsity)
+        if method == "cats":
+            out[:, 2], out[:, 3] = 0, min(sparsity * (1.5 if cfg.gated else 2.0), LEVELS[-1])
+        return out
+
+    def cut(self, method: str, levels: np.ndarray) -> np.ndarray:
+        """The thresholds [L, 4] of per-site sparsities levels [L, 4]: each table's values interpolated; level 0 is
+        threshold 0 (keep everything)."""
+        table = self.tables[method]  # [L, 4, N]
+        L = table.shape[0]
+        out = np.zeros((L, len(SITES)), np.float32)
+        for l in range(L):
+            for s in range(len(SITES)):
+                out[l, s] = np.interp(levels[l, s], LEVELS, table[l, s]) if levels[l, s] > 0 else 0.0
+        return out
+
+    def check(self, cfg, method: str, path) -> None:
+        """This calibration must be of a model with cfg's layers and widths, and hold `method`."""
+        L = next(iter(self.tables.values())).shape[0]
+        if L != cfg.n_layers or not np.array_equal(self.widths, site_widths(cfg)):
+            raise UserError(f"{path}: thresholds for {L} layers of site widths {self.widths.tolist()}, the model has "
+                            f"{cfg.n_layers} of {site_widths(cfg).tolist()} (a file of another model?)")
+        if method not in self.tables:
+            raise UserError(f"--sparsity-method {method}: {path} was calibrated for {', '.join(self.tables)} "
+                            f"(scripts/calibrate_sparsity.py --methods {method})")
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The calibration as the file's tensors (a GGUF file embeds them under `sparsity.`)."""
+        out = {f"{m}.table": t.astype(np.float32) for m, t in self.tables.items()}
+        out |= {f"{m}.greedy": g.astype(np.float32) for m, g in self.greedy.items()}
+        if self.greedy:
+            out["greedy_targets"] = np.asarray(self.targets, np.float32)
+        out["widths"] = self.widths.astype(np.int64)
+        return out
+
+    def save(self, path: Path) -> None:
+        atomic_save(path, self.tensors(), {k: json.dumps(v) for k, v in self.metadata.items()})
+
+    @staticmethod
+    def load(path: str | Path) -> "Thresholds":
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: thresholds file not found")
+        tensors = open_safetensors(path)
+        try:
+            meta = {k: json.loads(v) for k, v in read_header(path)[2].items()}
+        except json.JSONDecodeError:
+            raise UserError(f"{path}: corrupt metadata") from None
+        return Thresholds.of(path, tensors, meta)
+
+    @staticmethod
+    def of(path, tensors: dict, meta: dict) -> "Thresholds":
+        """A calibration from its tensors (`tensors()`), every shape and value checked; `path` names the file."""
+        tables, greedy = {}, {}
+        for key, t in tensors.items():
+            method, _, part = key.partition(".")
+            if key == "widths" or key == "greedy_targets":
+                continue
+            if method not in METHODS or part not in ("table", "greedy"):
+                raise UserError(f"{path}: unexpected tensor key '{key}' (want <teal|wina|cats>.<table|greedy>)")
+            (tables if part == "table" else greedy)[method] = np.asarray(t, np.float32)
+        if "widths" not in tensors or tuple(tensors["widths"].shape) != (len(SITES),) or not tables:
+            raise UserError(f"{path}: not a thresholds file (no 'widths' [4] or no table)")
+        site = np.asarray(tensors["widths"])
+        if not np.all(site == np.round(site)) or np.any(site < 1):
+            raise UserError(f"{path}: 'widths' must hold four positive integers")
+        shapes = {t.shape for t in tables.values()}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 3 or next(iter(shapes))[1:] != (len(SITES), len(LEVELS)):
+            raise UserError(f"{path}: tables of shapes {sorted(shapes)}, want [L, {len(SITES)}, {len(LEVELS)}]")
+        L = next(iter(shapes))[0]
+        targets = np.asarray(tensors.get("greedy_targets", np.zeros(0)), np.float64)
+        for m, g in greedy.items():
+            if g.shape != (len(targets), L, len(SITES)) or len(targets) < 2 or np.any(np.diff(targets) <= 0):
+                raise UserError(f"{path}: {m}.greedy of shape {g.shape} does not match greedy_targets {targets.shape}")
+            if not np.all((g >= 0) & (g < 1)):
+                raise UserError(f"{path}: {m}.greedy holds sparsities outside [0, 1)")
+        for m, t in tables.items():
+            if not np.all(np.isfinite(t)) or np.any(t < 0) or np.any(np.diff(t, axis=-1) < 0):
+                raise UserError(f"{path}: {m}.table holds thresholds that are negative, not finite or not increasing")
+        return Thresholds(tables, greedy, targets, site.astype(np.int64), meta)

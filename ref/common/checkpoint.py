@@ -9,8 +9,9 @@ from ref.common.weights import Weights
 
 
 def load_checkpoint(path: str | Path) -> Weights:
-    """The checked weights by our names, with their config; a PowerInfer file's predictors as `predictors`."""
+    """The checked weights by our names, with their config; a PowerInfer file's predictors as `predictors`, a GGUF
+    file's activation-sparsity calibration as `sparsity`."""
     if is_gguf(path):
         ck = read_gguf(path)
-        return Weights(ck.config, ck.tensors, ck.predictors, Path(path))
+        return Weights(ck.config, ck.tensors, ck.predictors, Path(path), ck.sparsity)
     return Weights.load(path, ModelConfig.from_hf(path))

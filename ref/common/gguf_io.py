@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ref.common.artifacts import Predictors, check_predictor_shapes
+from ref.common.artifacts import Predictors, Thresholds, check_predictor_shapes
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
@@ -284,6 +284,10 @@ class GGUFCheckpoint:
     tensors: dict  # our name -> stored tensor
     predictors: Predictors | None
     meta: Metadata
+    sparsity: Thresholds | None = None  # activation sparsity's calibration, embedded under `sparsity.`
+
+
+SPARSITY_PREFIX = "sparsity."  # an embedded activation-sparsity calibration: sparsity.teal.table, ... (Thresholds)
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -322,10 +326,14 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         tensors[ours] = t
         used.add(gname)
     predictors = read_predictors(path, cfg, found, meta, used)
+    embedded = {n: t for n, t in found.items() if n.startswith(SPARSITY_PREFIX)}
+    used.update(embedded)
+    sparsity = Thresholds.of(path, {n[len(SPARSITY_PREFIX):]: stored(path, t) for n, t in embedded.items()},
+                             {"source": str(path)}) if embedded else None
     extra = sorted(set(found) - used)
     if extra:
         raise UserError(f"{path}: {len(extra)} unexpected tensor(s), first {extra[0]}")
-    return GGUFCheckpoint(kind, cfg, tensors, predictors, meta)
+    return GGUFCheckpoint(kind, cfg, tensors, predictors, meta, sparsity)
 
 
 def with_rope_factors(cfg: ModelConfig, factors, path: Path) -> ModelConfig:

@@ -15,10 +15,12 @@ from ref.common.safetensors import BF16, checkpoint_files, open_safetensors, rel
 class Weights:
     """The checked tensors of one checkpoint, by our names, memory-mapped in their stored dtype."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], predictors=None, source: Path | None = None):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], predictors=None, source: Path | None = None,
+                 sparsity=None):
         self.config = cfg
         self.tensors = tensors
         self.predictors = predictors  # a PowerInfer file's own (ref.common.artifacts.Predictors), else None
+        self.sparsity = sparsity  # a GGUF file's activation-sparsity calibration (ref.common.artifacts.Thresholds)
         self.source = source  # the folder or file they were read from, for messages
 
     def __getitem__(self, name: str):

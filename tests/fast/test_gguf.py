@@ -91,7 +91,9 @@ def test_round_trip_through_llama_cpps_reader(files, fmt, tmp_path):
     assert (meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]) == (c.n_heads, c.n_kv_heads)
     assert meta["powerinfer.sparse_threshold"] == pytest.approx(pred.threshold)
     assert len(r.fields["tokenizer.ggml.tokens"].contents()) == c.vocab_size
-    assert len(r.tensors) == 3 + c.n_layers * 11  # PowerInfer's count: 9 block tensors + fc1 + fc2 per layer
+    # PowerInfer's count (9 block tensors + fc1 + fc2 per layer), and the thresholds of 3 methods (table, greedy) with
+    # greedy_targets and widths
+    assert len(r.tensors) == 3 + c.n_layers * 11 + 8
 
 
 def test_dense_layout_is_llama_cpps(files):
@@ -261,7 +263,7 @@ def test_convert_a_llama_cpp_file_to_a_powerinfer_file(files, tmp_path):
 
 
 @pytest.mark.parametrize("args, expect", [
-    ([], "a GGUF file without predictors; --predictors FILE adds them"),
+    ([], "no predictors and no activation-sparsity thresholds to carry; --predictors FILE adds predictors"),
     (["--type", "q5_k"], "--type: unknown format 'q5_k'")])
 def test_convert_of_a_gguf_file_bad_flags(files, tmp_path, args, expect):
     r = convert(files["dense"], "-o", tmp_path / "x.gguf", *args)
@@ -422,3 +424,27 @@ def test_a_llama_cpp_float_file_runs_dense_without_flags(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fast.run", tmp_path / "f16.gguf", "-p", "once upon a time", "-n", "4",
                         "--temp", "0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0 and "weights f16; FFN dense" in r.stderr, r.stderr
+
+
+def test_a_powerinfer_file_carries_the_activation_sparsity_calibration(files, tmp_path):
+    """The folder's sparsity.safetensors rides in our file (`sparsity.` tensors), which then runs --sparsity as the
+    folder does; a SwiGLU model without predictors converts with its thresholds alone; llama.cpp's layout (--dense)
+    carries none, and --sparsity then asks for --sparsity-file."""
+    from ref.activation_sparsity import Thresholds
+    from tests.helpers import SHIPPED_SILU
+    own = Thresholds.load(SHIPPED / "sparsity.safetensors")
+    carried = read_gguf(files["q8_0"]).sparsity
+    for m in own.tables:
+        assert np.array_equal(carried.tables[m], own.tables[m]) and np.array_equal(carried.greedy[m], own.greedy[m])
+    assert np.array_equal(carried.widths, own.widths) and read_gguf(files["dense"]).sparsity is None
+    from_file = load_engine(files["q8_0"], sparsity=0.5, sparsity_method="wina").logits(IDS)
+    from_folder = load_engine(SHIPPED, type_="q8_0", sparsity=0.5, sparsity_method="wina").logits(IDS)
+    assert_close(from_file, from_folder, rtol=1e-6)
+    r = convert(SHIPPED_SILU, "-o", tmp_path / "silu.gguf")
+    assert r.returncode == 0 and "PowerInfer GGUF, f16" in r.stdout, r.stderr
+    assert read_gguf(tmp_path / "silu.gguf").predictors is None
+    assert_close(load_engine(tmp_path / "silu.gguf", sparsity=0.4).logits(IDS),
+                 load_engine(SHIPPED_SILU, sparsity=0.4).logits(IDS), rtol=1e-6)
+    with pytest.raises(UserError, match="carries no thresholds; name a file with --sparsity-file"):
+        load_engine(files["dense"], sparsity=0.4)
+    load_engine(files["dense"], sparsity=0.4, sparsity_file=SHIPPED / "sparsity.safetensors")
