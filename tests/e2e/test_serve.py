@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, SHIPPED_SILU
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -264,3 +264,34 @@ def test_the_load_generator_reads_streams_as_the_server_sends_them(server):
     assert runs[2]["error"].startswith("HTTP 400"), runs[2]
     assert runs[3]["error"].startswith("ConnectionRefusedError"), runs[3]
     assert runs[4]["error"].startswith("TimeoutError"), runs[4]
+
+
+def test_activation_sparsity_serves_the_text_fast_run_gives(tmp_path):
+    """The SwiGLU twin with --sparsity: three requests decoding together (the union of their kept inputs) each give
+    fast.run's greedy text with the same flags; a thresholds file of another model ends the start in one line."""
+    flags = ["--sparsity", "0.4", "--sparsity-method", "wina"]
+    prompts = ["once upon a time", "the little dog was sad because", "tom and his mom"]
+    want = []
+    for p in prompts:
+        r = subprocess.run([sys.executable, "-m", "fast.run", str(SHIPPED_SILU), "-p", p, "-n", "16", "--temp", "0",
+                            "-t", "1", *flags], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 0, r.stderr
+        want.append(r.stdout[len(p):-1].removesuffix(" [end of text]"))
+    s = ServerProcess(str(SHIPPED_SILU), "-np", "3", *flags)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: client.completions.create(model="m", prompt=p, max_tokens=16, temperature=0)
+                                .choices[0].text, prompts))
+    finally:
+        s.stop()
+    assert got == want
+    import numpy as np
+    from ref.common.artifacts import LEVELS, Thresholds
+    table = np.broadcast_to(LEVELS, (2, 4, len(LEVELS))).astype(np.float32)  # a 2-layer model's
+    Thresholds({"wina": table}, {}, np.zeros(0), np.array([32, 32, 32, 100]), {}).save(tmp_path / "other.safetensors")
+    r = subprocess.run([sys.executable, "-m", "fast.serve", str(SHIPPED_SILU), "--port", str(free_port()), *flags,
+                        "--sparsity-file", str(tmp_path / "other.safetensors")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error:") and "another model" in r.stderr
