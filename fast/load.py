@@ -18,7 +18,7 @@ from ref.common.errors import UserError
 from ref.common.formats import Format, format_of
 from ref.common.names import expected_shapes
 from ref.activation_sparsity import sparsity_to_run
-from ref.sparse import predictors_to_run
+from ref.sparse import EMBEDDED, predictors_to_run
 
 def say_compiling(engine) -> None:
     """The CLIs' notice, on stderr, that the kernels for this engine's formats compile now (they are cached after)."""
@@ -54,7 +54,8 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     if fmt is not None and stored.quantized and fmt != stored:
         raise UserError(f"--type {fmt.name}: {path} is quantized to {stored.name} already; quantizing it again loses "
                         f"accuracy twice (convert the original checkpoint instead)")
-    cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file, embedded=w.sparsity)
+    ffn = predictors is None or (predictors == EMBEDDED and w.predictors is None)  # no predictors keep the FFN
+    cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file, embedded=w.sparsity, ffn=ffn)
     if cut is not None and device != "cpu":
         raise UserError(f"--sparsity with --device {device}: activation sparsity runs on the CPU so far")
     check_memory(path, w.config, fmt or stored)

@@ -167,11 +167,12 @@ def cats_ffn_block(model: Model, l: int, h: np.ndarray, dense_linear) -> np.ndar
 
 
 def sparsity_to_run(cfg, path, sparsity: float | None, method: str = "teal", given: Path | None = None,
-                    allocation: str | None = None, embedded: Thresholds | None = None) -> np.ndarray | None:
+                    allocation: str | None = None, embedded: Thresholds | None = None,
+                    ffn: bool = True) -> np.ndarray | None:
     """The thresholds [L, 4] of --sparsity S by `method` from the model's calibration: --sparsity-file (`given`),
     else a GGUF file's own (`embedded`), else DEFAULT_FILE in the model's folder; each block's allocation the
-    calibration's greedy one where it has it for the method, else uniform. None for no sparsity or S = 0 (the dense
-    model, exactly)."""
+    calibration's greedy one where it has it for the method and the FFN is thinned too (`ffn`; beside predictors
+    attention's inputs are at S), else uniform. None for no sparsity or S = 0 (the dense model, exactly)."""
     if sparsity is None:
         return None
     check_sparsity(sparsity)
@@ -190,7 +191,7 @@ def sparsity_to_run(cfg, path, sparsity: float | None, method: str = "teal", giv
                             f"python scripts/calibrate_sparsity.py {path}")
         th = Thresholds.load(source)
     th.check(cfg, method, source)
-    allocation = allocation or ("greedy" if method in th.greedy else "uniform")
+    allocation = allocation or ("greedy" if ffn and method in th.greedy else "uniform")
     return th.cut(method, th.levels(cfg, method, sparsity, allocation))
 
 
