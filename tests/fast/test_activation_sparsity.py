@@ -22,7 +22,8 @@ def ref_logits(method, fmt, sparsity=0.5, predictors=None, path=SHIPPED):
     model = load_model(path, predictors)
     if fmt != "f16":
         model = quantize_model(model, fmt)
-    apply_sparsity(model, method, sparsity_to_run(model.config, path, sparsity, method), ffn=predictors is None)
+    ffn = predictors is None
+    apply_sparsity(model, method, sparsity_to_run(model.config, path, sparsity, method, ffn=ffn), ffn=ffn)
     return model.logits(IDS)
 
 
