@@ -40,7 +40,6 @@ from ref.model import Model, ffn_activation
 from ref.quant import Quantized, Transposed, quantize, tensor_format
 
 ATTENTION = SITES[:2]
-ALLOCATIONS = ("uniform", "greedy")
 MATRICES = {"attn_in": ("wq", "wk", "wv", "wqkv"), "attn_out": ("wo",), "ffn_in": ("wg", "wu"), "ffn_hidden": ("wd",)}
 EDGES = np.geomspace(1e-7, 1e7, 4097)  # [B + 1] histogram bins of scores (steps of 0.8 %); below: bin 0 (zero)
 
