@@ -58,13 +58,18 @@ def random_engine(cfg: ModelConfig, threads: int, seed: int = 0, fmt: Format | N
     return Engine.load(Weights(cfg, RandomTensors(cfg, seed)), threads, fmt)
 
 
+def twin(engine: Engine) -> Engine:
+    """A new engine on the same arrays, each layer's record its own: a transform of it replaces arrays in its layers
+    only (what it lays out again is one more copy of those)."""
+    e = engine
+    return Engine(e.config, [dataclasses.replace(L) for L in e.layers], e.embed, e.norm, e.lm_head, e.threads, e.format,
+                  e.norm_b, e.pos_embed, e.project_in, e.project_out)
+
+
 def dense_twin(engine: Engine) -> Engine:
     """The engine's weights laid out for a dense run as fast.run lays them out (dense_ffn, no predictors), sharing
     all but the FFN layout with it: one more FFN's memory at most."""
-    e = engine
-    twin = Engine(e.config, [dataclasses.replace(L) for L in e.layers], e.embed, e.norm, e.lm_head, e.threads, e.format,
-                  e.norm_b, e.pos_embed, e.project_in, e.project_out)
-    return dense_ffn(twin)
+    return dense_ffn(twin(engine))
 
 
 def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) -> Engine:
@@ -72,12 +77,10 @@ def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) ->
     inputs is dropped on its first decode tokens (random weights have no corpus to be calibrated on): thinned at
     t = 0, `tokens` steps run with each site's scores recorded, then each threshold set to their quantile. The FFN's
     sites too where `ffn` (else the engine's predictors keep it)."""
-    e = engine
-    twin = Engine(e.config, [dataclasses.replace(L) for L in e.layers], e.embed, e.norm, e.lm_head, e.threads, e.format,
-                  e.norm_b, e.pos_embed, e.project_in, e.project_out)
-    twin.selector = e.selector
-    apply_sparsity(twin, "teal", np.zeros((e.config.n_layers, 4), F32), ffn)
-    site = {id(L.thin.w[s]): (L, s) for L in twin.layers for s in range(4)}
+    thinned = twin(engine)
+    thinned.selector = engine.selector
+    apply_sparsity(thinned, "teal", np.zeros((engine.config.n_layers, 4), F32), ffn)
+    site = {id(L.thin.w[s]): (L, s) for L in thinned.layers for s in range(4)}
     scores = {key: [] for key in site}
     thin, thin_activations = cpu.thin, cpu.thin_activations
 
@@ -91,13 +94,13 @@ def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) ->
         return n
     cpu.thin, cpu.thin_activations = recorded_thin, recorded_activations
     try:
-        decode_tok_s(twin, tokens)
+        decode_tok_s(thinned, tokens)
     finally:
         cpu.thin, cpu.thin_activations = thin, thin_activations
     for key, (L, s) in site.items():
         if scores[key]:
             L.thin.t[s] = np.quantile(np.concatenate([v.ravel() for v in scores[key]]), sparsity)
-    return twin
+    return thinned
 
 
 def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:

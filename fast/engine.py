@@ -27,7 +27,7 @@ from fast import blas, cpu
 from fast.kernel_cache import first_compile
 from fast.quant import for_matmul, for_sparse, n_rows, plain
 from ref import sparse
-from ref.common.artifacts import Predictors
+from ref.common.artifacts import Predictors, site_widths
 from ref.common.batch import Batch, KVCache, advance, check_batch
 from ref.common.checkpoint import load_checkpoint
 from ref.common.config import ModelConfig
@@ -740,7 +740,7 @@ def apply_sparsity(engine: Engine, method: str, cut: np.ndarray, ffn: bool = Tru
             sites += [L.gate_up_t, down_t]
         elif not cats:
             t[2:] = np.inf  # the predictors' FFN: no site of it thinned
-        widths = (c.d_model, c.n_heads * c.head_dim, c.d_model, c.d_ffn)
+        widths = site_widths(c)
         w = [column_norms(m) if method == "wina" else np.ones(n, F32) for m, n in zip(sites, widths)]
         L.thin = Thin(tuple(w + [np.ones(n, F32) for n in widths[len(w):]]), t, cats)
     engine.layers_changed()

@@ -31,7 +31,7 @@ def main(gen: Generation, ffn: Sparsity, use_f64):
                        ffn.sparsity, ffn.sparsity_method, ffn.sparsity_file)
     tok = load_tokenizer(model_dir)
     mode = f"sparse (threshold {model.selector.threshold})" if getattr(model, "selector", None) else "dense"
-    if getattr(model, "thinning", None) is not None:
+    if ffn.sparsity:
         mode += f"; activation sparsity {ffn.sparsity:g} ({ffn.sparsity_method})"
     generate_session(model, tok, gen, time.perf_counter() - t0, f"; FFN {mode}")
 

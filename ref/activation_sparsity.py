@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ref.common.artifacts import DEFAULT_SPARSITY_FILE as DEFAULT_FILE
-from ref.common.artifacts import LEVELS, METHODS, SITES, Thresholds, site_widths as widths
+from ref.common.artifacts import LEVELS, METHODS, SITES, Thresholds, check_sparsity, site_widths as widths
 from ref.common.batch import Batch, check_batch
 from ref.common.errors import UserError
 from ref.common.safetensors import upcast
@@ -70,13 +70,6 @@ def model_sparsity(model: Model, method: str, levels: np.ndarray) -> float:
     w = widths(model.config)
     block = (site_weights(model, "teal") * w).sum()  # every matrix of a block
     return float((np.asarray(levels) * site_weights(model, method) * w).sum() / (len(levels) * block))
-
-
-def check_sparsity(sparsity: float, flag: str = "--sparsity") -> float:
-    """A model-wide sparsity must be in [0, 1)."""
-    if not 0.0 <= sparsity < 1.0:
-        raise UserError(f"{flag} must be in [0, 1), got {sparsity}")
-    return sparsity
 
 
 class Thinning:

@@ -174,16 +174,22 @@ def save_placement(path: Path, gpu_neurons: list, meta: dict) -> None:
     atomic_save(path, tensors, {k: json.dumps(v) for k, v in meta.items()})
 
 
+def open_artifact(path: Path, what: str) -> tuple[dict, dict]:
+    """(tensors, metadata with its JSON values decoded) of an artifact file whose metadata is JSON (`what` names the
+    kind of file in the error where it is missing)."""
+    if not path.is_file():
+        raise UserError(f"{path}: {what} file not found")
+    tensors = open_safetensors(path)
+    try:
+        return tensors, {k: json.loads(v) for k, v in read_header(path)[2].items()}
+    except json.JSONDecodeError:
+        raise UserError(f"{path}: corrupt metadata") from None
+
+
 def load_placement(path: str | Path, n_layers: int | None = None, d_ffn: int | None = None) -> tuple[list, dict]:
     """(gpu neurons per layer, metadata) with every layer's ids checked sorted, unique and in [0, F)."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: placement file not found")
-    tensors = open_safetensors(path)
-    try:
-        meta = {k: json.loads(v) for k, v in read_header(path)[2].items()}
-    except json.JSONDecodeError:
-        raise UserError(f"{path}: corrupt metadata") from None
+    tensors, meta = open_artifact(path, "placement")
     n = layer_keys(path, tensors, ("gpu_neurons",))
     if n_layers is not None and n != n_layers:
         raise UserError(f"{path}: placement for {n} layers, the model has {n_layers}")
@@ -203,6 +209,13 @@ SITES = ("attn_in", "attn_out", "ffn_in", "ffn_hidden")
 METHODS = ("teal", "wina", "cats")
 LEVELS = np.arange(100) / 100  # [N] the sparsities the table holds a threshold for; others are interpolated
 DEFAULT_SPARSITY_FILE = "sparsity.safetensors"
+
+
+def check_sparsity(sparsity: float, flag: str = "--sparsity") -> float:
+    """A model-wide sparsity must be in [0, 1)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise UserError(f"{flag} must be in [0, 1), got {sparsity}")
+    return sparsity
 
 
 def site_widths(cfg) -> np.ndarray:
@@ -275,14 +288,7 @@ class Thresholds:
     @staticmethod
     def load(path: str | Path) -> "Thresholds":
         path = Path(path)
-        if not path.is_file():
-            raise UserError(f"{path}: thresholds file not found")
-        tensors = open_safetensors(path)
-        try:
-            meta = {k: json.loads(v) for k, v in read_header(path)[2].items()}
-        except json.JSONDecodeError:
-            raise UserError(f"{path}: corrupt metadata") from None
-        return Thresholds.of(path, tensors, meta)
+        return Thresholds.of(path, *open_artifact(path, "thresholds"))
 
     @staticmethod
     def of(path, tensors: dict, meta: dict) -> "Thresholds":

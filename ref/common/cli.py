@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from ref.common.artifacts import check_sparsity
 from ref.common.errors import Terminated, UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c, terminate
 from ref.common.formats import FORMATS
 from ref.common.gguf_io import is_gguf
@@ -125,8 +126,8 @@ class Sparsity:
     sparsity_file: Path | None
 
     def check(self) -> "Sparsity":
-        if self.sparsity is not None and not 0.0 <= self.sparsity < 1.0:
-            raise UserError(f"--sparsity must be in [0, 1), got {self.sparsity}")
+        if self.sparsity is not None:
+            check_sparsity(self.sparsity)
         if self.sparsity is None and self.sparsity_file is not None:
             raise UserError("--sparsity-file holds thresholds for --sparsity S: pass --sparsity too")
         if self.dense and self.predictors is not None:
