@@ -364,7 +364,8 @@ class Engine(Decoder):
         c, T, runs = self.config, qkv.shape[0], batch.runs()
         cpu.qk_norm(qkv, L.qk_norms, c.n_kv_heads, self.eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
-        if len(runs) == T:
+        if len(runs) == T > 1:  # one token of each of several sequences (one run reads its own slot: a hybrid
+            # engine's cache holds device arrays for the layers attending on the GPU)
             k_caches, v_caches = self.slot_lists(cache)[l]
             cpu.decode_attention(att, qkv, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin)
         else:
@@ -372,6 +373,11 @@ class Engine(Decoder):
                 kernels(b - a, c.d_model).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq],
                                                          self.cos, self.sin, batch.positions[a])
         return att
+
+    def ffn_kind(self, L: Layer) -> tuple[int, float]:
+        """The (kind, threshold) a layer's neuron bundles are computed with: CATS's criterion (cpu.CATS, the
+        layer's ffn_hidden threshold) where activation sparsity chose it, else the model's activation."""
+        return (self.kind + cpu.CATS, L.thin.t[3]) if L.thin is not None and L.thin.cats else (self.kind, self.thr)
 
     def norm_weights(self, L: Layer, table: dict) -> tuple[np.ndarray, np.ndarray]:
         """The (weight, bias) of the norm before attention or the FFN in this block (ref.model's ATTN_NORM or
@@ -435,7 +441,7 @@ class Engine(Decoder):
             k.dense_down(y, np.empty((len(self.acc), T, h.shape[1]), F32), gu, down, self.kind, self.thr)
             cpu.add_bias(y, L.bd)
             return y
-        kind, thr = (self.kind + cpu.CATS, L.thin.t[3]) if L.thin is not None and L.thin.cats else (self.kind, self.thr)
+        kind, thr = self.ffn_kind(L)
         if T == 1:
             active = self.active_set(l, h[0])
             cpu.ffn_block(y[0], self.acc, h[0], w, b, L.bundle, L.bu, L.bd, active, len(active), kind, thr, eps)

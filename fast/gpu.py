@@ -53,6 +53,10 @@ class Weight:
     def rows(self) -> int:
         return self.q.shape[0]
 
+    @property
+    def cols(self) -> int:
+        return self.q.shape[1] * (2 if self.kind == KINDS["q4_0"] else 1)
+
     def slice(self, lo: int, hi: int) -> "Weight":
         return Weight(self.q[lo:hi], self.d[lo:hi] if self.kind in QUANTIZED else self.d, self.kind, self.parts)
 
@@ -302,6 +306,99 @@ def _sum_rows(out, part):
         out[d] = s
 
 
+@cuda.jit
+def _copy_cols(out, x, lo):
+    """out = x[:, lo:lo + N], elementwise over out [T, N] (a projection's q, k or v columns)."""
+    i = cuda.grid(1)
+    T, N = out.shape
+    if i < T * N:
+        out[i // N, i % N] = x[i // N, lo + i % N]
+
+
+@cuda.jit(device=True, inline=True)
+def kept(v, w, t):
+    """fast.cpu.thin's criterion: |v| w > t, in float32 as ref scores."""
+    return abs(float32(v)) * w > t
+
+
+@cuda.jit
+def _thin(out, x, w, t):
+    """Thread (r, i): out = x * (|x| w > t) (fast.cpu.thin's values)."""
+    k = cuda.grid(1)
+    T, K = x.shape
+    if k < T * K:
+        v = x[k // K, k % K]
+        out[k // K, k % K] = v if kept(v, w[k % K], t) else float32(0.0)
+
+
+@cuda.jit
+def _thin_activations(a, gu, bias, kind, thr, w, t):
+    """Thread (r, i): a = a(g, u) thinned (fast.cpu.thin_activations' values); gu [T, 2F] gated, else [T, F] with the
+    up rows' bias added to g (bias [F] or [0]) and u = 1."""
+    k = cuda.grid(1)
+    T, F = a.shape
+    if k < T * F:
+        r, i = k // F, k % F
+        if gu.shape[1] == 2 * F:
+            v = float32(activation(kind, gu[r, i], gu[r, F + i], thr))
+        else:
+            g = gu[r, i] + bias[i] if bias.shape[0] else gu[r, i]
+            v = float32(activation(kind, g, float32(1.0), thr))
+        a[r, i] = v if kept(v, w[i], t) else float32(0.0)
+
+
+@cuda.jit
+def _union(ids, count, out):
+    """One block: ids[:n] the columns of out [T, K] with a non-zero entry, in order, count[0] = n; a tile of
+    THREADS columns at a time, each column's place its inclusive scan of the tile's flags in shared memory."""
+    flags = cuda.shared.array(THREADS, int32)
+    total = cuda.shared.array(1, int32)
+    j, n = cuda.threadIdx.x, cuda.blockDim.x
+    T, K = out.shape
+    if j == 0:
+        total[0] = 0
+    for base in range(0, K, n):
+        i = base + j
+        f = 0
+        if i < K:
+            for r in range(T):
+                if out[r, i] != 0:
+                    f = 1
+        flags[j] = f
+        cuda.syncthreads()
+        step = 1
+        while step < n:  # Hillis-Steele: after it, flags[j] = sum of the tile's flags up to j
+            v = flags[j - step] if j >= step else 0
+            cuda.syncthreads()
+            flags[j] += v
+            cuda.syncthreads()
+            step *= 2
+        if f:
+            ids[total[0] + flags[j] - 1] = i
+        cuda.syncthreads()
+        if j == n - 1:
+            total[0] += flags[j]
+        cuda.syncthreads()
+    if j == 0:
+        count[0] = total[0]
+
+
+@cuda.jit
+def _sparse_rows(part, x, q, d, kind, ids, n):
+    """Block (x, c): part[c, t, o] = sum over chunk c of j < n of x[t, i] W^T[i, o], i = ids[j], a zero input not
+    reading its row (the branch is uniform over the block); consecutive threads read consecutive o of a row."""
+    o = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    c, C = cuda.blockIdx.y, cuda.gridDim.y
+    if o < part.shape[2]:
+        for t in range(x.shape[0]):
+            s = float32(0.0)
+            for j in range(c * n // C, (c + 1) * n // C):
+                v = x[t, ids[j]]
+                if v != 0:
+                    s += v * elem(q, d, kind, ids[j], o)
+            part[c, t, o] = s
+
+
 def scratch(name: str, shape, dtype=np.float32):
     """A reused device buffer of `shape` (an int or a tuple): no allocation per call, since cuMemAlloc per layer and
     token would cost more than the kernels. Launches are ordered on one stream, so buffers are reused safely."""
@@ -364,6 +461,55 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     _sum_rows[(D + TILE - 1) // TILE, TILE](out, part)
 
 
+def union(ids, out) -> int:
+    """ids[:n] the columns of out [T, K] with a non-zero entry, in order. -> n (read back: the host waits for it)."""
+    count = scratch("union_count", 1, np.int32)
+    _union[1, THREADS](ids, count, out)
+    return int(count.copy_to_host()[0])
+
+
+def thin(out, ids, x, w, t):
+    """Same contract as fast.cpu.thin; with ids None the values only (-> None): sparse_rows over every input skips
+    a zero itself, so a step on the device needs no count back on the host."""
+    if x.size:
+        _thin[(x.size + TILE - 1) // TILE, TILE](out, x, w, np.float32(t))
+    return None if ids is None else union(ids, out)
+
+
+def thin_activations(a, ids, gu, bias, kind, thr, w, t):
+    """Same contract as fast.cpu.thin_activations; ids None as in `thin`."""
+    if a.size:
+        _thin_activations[(a.size + TILE - 1) // TILE, TILE](a, gu, bias, kind, np.float32(thr), w, np.float32(t))
+    return None if ids is None else union(ids, a)
+
+
+def sparse_rows(out, acc, x, wt, ids, n):
+    """Same contract as fast.cpu.sparse_rows (wt: host rows of blocks of the transpose, or a Weight); `acc` is
+    unused (the chunks' partial sums live in scratch, added in a fixed order)."""
+    W, (T, N) = weight(wt), out.shape
+    C = max(1, min(CHUNKS, n))
+    part = scratch("rows_part", (C, T, N))
+    if out.size:
+        _sparse_rows[((N + TILE - 1) // TILE, C), TILE](part, x, W.q, W.d, W.kind, ids, n)
+        _sum_rows[(T * N + TILE - 1) // TILE, TILE](out.reshape(T * N), part.reshape(C, T * N))
+
+
+def every_input(K: int):
+    """Device ids 0..K-1 (sparse_rows over every input, the zeros skipped), uploaded once per K."""
+    ids = _scratch.get(("every_input", K))
+    if ids is None:
+        ids = _scratch[("every_input", K)] = cuda.to_device(np.arange(max(K, 1), dtype=np.int32))
+    return ids
+
+
+def thinned_product(out, x, W: Weight, w, t):
+    """out = W thin(x) per token (fast.engine.thinned_product), W the stored transpose as a Weight: thin(x)'s zeros
+    skip their rows.  out: [T, N]; x: [T, K]."""
+    xt = scratch("thin_x", x.shape)
+    thin(xt, None, x, w, t)
+    sparse_rows(out, None, xt, W, every_input(x.shape[1]), x.shape[1])
+
+
 def predictor(out, hidden, h, fc1, fc2):
     """Same contract as fast.cpu.predictor."""
     W1 = weight(fc1)
@@ -372,20 +518,28 @@ def predictor(out, hidden, h, fc1, fc2):
 
 
 def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_cache, v_cache, cos, sin, pos0,
-                    eps):
+                    eps, thin=None):
     """Same contract as fast.cpu.attention_block. The projections read row blocks of wqkv into contiguous buffers
-    (v straight into its cache rows), since a device array's column slices cannot be reshaped."""
+    (v straight into its cache rows), since a device array's column slices cannot be reshaped. With `thin` (device
+    score weights and thresholds of attn_in and attn_out: w0, t0, w1, t1), activation sparsity as
+    fast.engine.Engine.thinned_attention: wqkv and wo are the stored transposes, each read input-sparse."""
     T, D = h.shape
     K, E = k_cache.shape[1], k_cache.shape[2]
     W = weight(wqkv)
-    H = W.rows // E - 2 * K
+    H = (W.rows if thin is None else W.cols) // E - 2 * K
     x = scratch("attn_x", (T, D))
     norm(x, h, attn_norm, attn_norm_b, eps)
     q, k = scratch("attn_q", (T, H * E)), scratch("attn_k", (T, K * E))
     v = v_cache[pos0:pos0 + T].reshape(T, K * E)
-    matmul(q, x, W.slice(0, H * E))
-    matmul(k, x, W.slice(H * E, (H + K) * E))
-    matmul(v, x, W.slice((H + K) * E, W.rows))
+    if thin is None:
+        matmul(q, x, W.slice(0, H * E))
+        matmul(k, x, W.slice(H * E, (H + K) * E))
+        matmul(v, x, W.slice((H + K) * E, W.rows))
+    else:
+        qkv = scratch("attn_qkv", (T, (H + 2 * K) * E))
+        thinned_product(qkv, x, W, thin[0], thin[1])
+        for part, lo in ((q, 0), (k, H * E), (v, (H + K) * E)):
+            _copy_cols[(part.size + TILE - 1) // TILE, TILE](part, qkv, lo)
     if bqkv.size:
         add_bias(q, bqkv[: H * E])
         add_bias(k, bqkv[H * E:(H + K) * E])
@@ -398,7 +552,10 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo
     rope(k_cache[pos0:pos0 + T], k.reshape(T, K, E), cos, sin, pos0)
     att = scratch("attn_att", (T, H, E))
     attention(att, q3, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, scratch("attn_scores", (T * H, pos0 + T)))
-    matmul(out, att.reshape(T, H * E), wo)
+    if thin is None:
+        matmul(out, att.reshape(T, H * E), wo)
+    else:
+        thinned_product(out, att.reshape(T, H * E), weight(wo), thin[2], thin[3])
     add_bias(out, bo)
 
 
@@ -408,6 +565,20 @@ def ffn_block(out, acc, h, ffn_norm, ffn_norm_b, bundle, bias, bd, active, n_act
     norm(x, h.reshape(1, h.shape[0]), ffn_norm, ffn_norm_b, eps)
     sparse_ffn(out, acc, x[0], bundle, bias, active, n_active, kind, thr)
     add_bias(out.reshape(1, out.shape[0]), bd)
+
+
+def thinned_ffn_block(out, h, ffn_norm, ffn_norm_b, gate_up_t, down_t, bu, bd, kind, thr, thin, eps):
+    """fast.engine's thinned FFN (Engine.ffn_block with activation sparsity) for tokens h [T, D]: out = Wd thin(a(g,
+    u)) + bd, [g | u] = [Wg | Wu] thin(norm(h)); gate_up_t [D, 2F] (non-gated [D, F]) and down_t [F, D] the stored
+    transposes, thin the device score weights and thresholds of ffn_in and ffn_hidden (w2, t2, w3, t3)."""
+    T, D = h.shape
+    G, Wd = weight(gate_up_t), weight(down_t)
+    x, gu, a = scratch("ffn_block_x", (T, D)), scratch("ffn_gu", (T, G.cols)), scratch("ffn_thin_a", (T, Wd.rows))
+    norm(x, h, ffn_norm, ffn_norm_b, eps)
+    thinned_product(gu, x, G, thin[0], thin[1])
+    thin_activations(a, None, gu, bu, kind, thr, thin[2], thin[3])
+    sparse_rows(out, None, a, Wd, every_input(Wd.rows), Wd.rows)
+    add_bias(out, bd)
 
 
 @cuda.jit

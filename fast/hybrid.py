@@ -41,6 +41,11 @@ class GpuLayer:
     slot: np.ndarray  # host [F]: neuron id -> row of bundle, or -1 when the neuron lives on the CPU
     hot_all: object  # device [G]: every row of bundle (the split of a step where all F neurons are active)
     cold_all: np.ndarray  # host [F - G]: the CPU's neurons (same)
+    kind: tuple  # (kind, threshold) of the bundles' activation (fast.engine.Engine.ffn_kind: CATS's, where chosen)
+    # activation sparsity (fast.engine.apply_sparsity): attention's wqkv and wo are then the stored transposes
+    attn_thin: tuple | None = None  # device score weights and thresholds of attn_in and attn_out (w0, t0, w1, t1)
+    gate_up_t: object = None  # device gpu.Weight [D, 2F] of a thinned FFN, whose bundle holds the down rows [F, D]
+    ffn_thin: tuple | None = None  # its ffn_in and ffn_hidden ones (w2, t2, w3, t3)
 
 
 class Residual:
@@ -94,28 +99,50 @@ class HybridEngine(Decoder):
     def upload_layer(self, l: int) -> GpuLayer:
         c, L, ids, sel = self.config, self.host.layers[l], self.gpu_neurons[l], self.selector
         attention = predictor = None
+        thinned = L.thin is not None
         if f"attention.{l}" in self.dense_on_gpu:
             w, b = self.host.norm_weights(L, ATTN_NORM)
-            attention = (cuda.to_device(w), cuda.to_device(b), gpu.weight(L.wqkv).to_device(), cuda.to_device(L.bqkv),
-                         cuda.to_device(L.qk_norms), gpu.weight(L.wo).to_device(), cuda.to_device(L.bo))
+            wqkv, wo = (L.wqkv_t, L.wo_t) if thinned else (L.wqkv, L.wo)
+            attention = (cuda.to_device(w), cuda.to_device(b), gpu.weight(wqkv).to_device(), cuda.to_device(L.bqkv),
+                         cuda.to_device(L.qk_norms), gpu.weight(wo).to_device(), cuda.to_device(L.bo))
         if sel.predicts and f"predictor.{l}" in self.dense_on_gpu:
             predictor = (gpu.weight(sel.fc1[l]).to_device(), gpu.weight(sel.fc2[l]).to_device())
+        if L.gate_up_t is not None and len(ids):  # a thinned FFN's input is read by every neuron: all or none
+            if len(ids) < c.d_ffn:
+                raise UserError(f"placement: layer {l} splits an FFN that activation sparsity (teal, wina) thins "
+                                "as a whole; place whole layers (--policy layers)")
+            ids = self.gpu_neurons[l] = np.arange(c.d_ffn, dtype=np.int32)
         slot = np.full(c.d_ffn, -1, np.int32)
         slot[ids] = np.arange(len(ids), dtype=np.int32)
         bundle = L.bundle[ids] if len(ids) else np.zeros((1, *L.bundle.shape[1:]), L.bundle.dtype)
         hot_all = cuda.to_device(np.arange(max(len(ids), 1), dtype=np.int32))
         bu = L.bu[ids] if L.bu.size else L.bu
-        return GpuLayer(attention, predictor, tuple(cuda.to_device(a) for a in self.host.norm_weights(L, FFN_NORM)),
-                        gpu.weight(bundle).to_device(), cuda.to_device(bu), cuda.to_device(L.bd), slot, hot_all,
-                        np.flatnonzero(slot < 0).astype(np.int32))
+        G = GpuLayer(attention, predictor, tuple(cuda.to_device(a) for a in self.host.norm_weights(L, FFN_NORM)),
+                     gpu.weight(bundle).to_device(), cuda.to_device(bu), cuda.to_device(L.bd), slot, hot_all,
+                     np.flatnonzero(slot < 0).astype(np.int32), self.host.ffn_kind(L))
+        if thinned:
+            G.attn_thin = sites(L, 0, 1)
+        if L.gate_up_t is not None and len(ids):  # the down rows in neuron order: every neuron (checked)
+            G.gate_up_t, G.ffn_thin = gpu.weight(L.gate_up_t).to_device(), sites(L, 2, 3)
+        return G
 
     def ffn_side(self, G: GpuLayer):
         """The FFN block of a layer: all on the CPU, all on the GPU, or split between them per token."""
         if len(G.cold_all) == self.config.d_ffn and G.predictor is None:
             return self.cpu_ffn
+        if G.gate_up_t is not None:
+            return self.gpu_thinned_ffn
         if len(G.cold_all) == 0 and (G.predictor is not None or not self.selector.predicts):
             return self.gpu_ffn
         return self.hybrid_ffn_block
+
+    def gpu_thinned_ffn(self, l: int, h: Residual) -> None:
+        """A thinned FFN (activation sparsity: fast.engine's thinned Engine.ffn_block) all on the GPU."""
+        G, h_d = self.gpu_layers[l], h.gpu()
+        y_d = gpu.scratch("y_thinned", h_d.shape)
+        gpu.thinned_ffn_block(y_d, h_d, *G.ffn_norm, G.gate_up_t, G.bundle, G.bu, G.bd, *G.kind, G.ffn_thin,
+                              self.host.eps)
+        gpu.add(h_d, y_d)
 
     @property
     def n_gpu_layers(self) -> int:
@@ -144,7 +171,7 @@ class HybridEngine(Decoder):
         o = gpu.scratch("attn_out", h_d.shape)
         for seq, a, b in batch.runs():
             gpu.attention_block(o[a:b], h_d[a:b], *self.gpu_layers[l].attention, cache.k[l][seq], cache.v[l][seq],
-                                self.cos_d, self.sin_d, batch.positions[a], self.host.eps)
+                                self.cos_d, self.sin_d, batch.positions[a], self.host.eps, self.gpu_layers[l].attn_thin)
         return o
 
     def cpu_ffn(self, l: int, h: Residual) -> None:
@@ -158,8 +185,7 @@ class HybridEngine(Decoder):
         y_d = gpu.scratch("y_gpu", (1, self.config.d_model))
         for t in range(h_d.shape[0]):
             hot_d, n_hot, _ = self.split(G, self.active_set(l, h, t))
-            gpu.ffn_block(y_d[0], None, h_d[t], *G.ffn_norm, G.bundle, G.bu, G.bd, hot_d, n_hot, host.kind,
-                          host.thr, host.eps)
+            gpu.ffn_block(y_d[0], None, h_d[t], *G.ffn_norm, G.bundle, G.bu, G.bd, hot_d, n_hot, *G.kind, host.eps)
             gpu.add(h_d[t:t + 1], y_d)
 
     def active_set(self, l: int, h: Residual, t: int) -> np.ndarray:
@@ -209,9 +235,9 @@ class HybridEngine(Decoder):
         for t in range(x.shape[0]):
             hot_d, n_hot, cold = self.split(G, self.active_set(l, h, t))
             if n_hot:  # launched, not waited for
-                gpu.sparse_ffn(y_d[0], None, x_d[t], G.bundle, G.bu, hot_d, n_hot, host.kind, host.thr)
+                gpu.sparse_ffn(y_d[0], None, x_d[t], G.bundle, G.bu, hot_d, n_hot, *G.kind)
             if len(cold):
-                cpu.sparse_ffn(self.y_cpu[0], host.acc, x[t], L.bundle, L.bu, cold, len(cold), host.kind, host.thr)
+                cpu.sparse_ffn(self.y_cpu[0], host.acc, x[t], L.bundle, L.bu, cold, len(cold), *G.kind)
             if h.on_gpu:
                 if n_hot:
                     gpu.add(h.a[t:t + 1], y_d)
@@ -278,6 +304,11 @@ def parallel_block(e: HybridEngine, l: int, h: Residual, batch: Batch, cache: KV
 
 HYBRID_BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "parallel": parallel_block,
                  "parallel_shared": parallel_block}
+
+
+def sites(L, a: int, b: int) -> tuple:
+    """Activation sparsity's score weights (on the device) and thresholds of two sites of a layer: (wa, ta, wb, tb)."""
+    return cuda.to_device(L.thin.w[a]), L.thin.t[a], cuda.to_device(L.thin.w[b]), L.thin.t[b]
 
 
 def require_gpu(who: str) -> None:

@@ -56,8 +56,6 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
                         f"accuracy twice (convert the original checkpoint instead)")
     ffn = predictors is None or (predictors == EMBEDDED and w.predictors is None)  # no predictors keep the FFN
     cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file, embedded=w.sparsity, ffn=ffn)
-    if cut is not None and device != "cpu":
-        raise UserError(f"--sparsity with --device {device}: activation sparsity runs on the CPU so far")
     check_memory(path, w.config, fmt or stored)
     engine = Engine.load(w, threads, fmt)
     run = None if predictors is None else predictors_to_run(engine.config, predictors, engine.file_predictors,
@@ -66,9 +64,9 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         apply_predictors(engine, *run)
     if cut is not None:
         apply_sparsity(engine, sparsity_method, cut, ffn=run is None)
-    elif device != "cpu":
+    if device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
-    elif run is None:
+    elif run is None and cut is None:
         dense_ffn(engine)
     engine.warm_up(notice)
     return engine

@@ -39,9 +39,10 @@ def timed(fn, repeats: int = 3) -> float:
     return best
 
 
-def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32") -> dict:
+def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32", input_sparsity: float = 0.5) -> dict:
     """GB/s of the bandwidth-bound kernels (bytes they must read / time) and of a device-to-device copy, weights in
-    `fmt` (gpu.Weight: quants or bits plus block scales)."""
+    `fmt` (gpu.Weight: quants or bits plus block scales); sparse_rows reads the down rows as a stored transpose
+    [F, D], `input_sparsity` of its inputs zero (activation sparsity's product)."""
     rng = np.random.default_rng(0)
     host = blocks(quantize(rng.random((F, 3, D), dtype=F32) - F32(0.5), fmt))
     bundle, wd = gpu.weight(host).to_device(), gpu.weight(np.ascontiguousarray(host[:, 2])).to_device()
@@ -58,6 +59,10 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32") -> dict
                                                                          F32(0))) / 1e9
     res["dense_ffn"] = F * 3 * row_bytes / timed(lambda: gpu.sparse_ffn(out_d, None, x[0], bundle, no_bias, cuda.to_device(
         np.arange(F, dtype=np.int32)), F, 0, F32(0))) / 1e9
+    xs = cuda.to_device((rng.random((1, F), dtype=F32) * (rng.random((1, F)) >= input_sparsity)).astype(F32))
+    kept = int(np.count_nonzero(xs.copy_to_host()))
+    res["sparse_rows"] = kept * row_bytes / timed(lambda: gpu.sparse_rows(out_d.reshape(1, D), None, xs, wd,
+                                                                          gpu.every_input(F), F)) / 1e9
     return res
 
 
@@ -65,6 +70,8 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32") -> dict
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="llama-7b", show_default=True)
 @click.option("--budgets", default="0.1,0.25,0.5,1.0", show_default=True, help="VRAM budgets as shares of the model's bytes.")
 @click.option("--sparsity", default=0.9, show_default=True, help="Predicted sparsity of the synthetic active sets.")
+@click.option("--activation-sparsity", default=0.5, show_default=True,
+              help="Share of zero inputs in the input-sparse product's kernel (sparse_rows).")
 @click.option("--tokens", default=8, show_default=True)
 @click.option("--runs", default=3, show_default=True)
 @click.option("--type", "type_", type=FORMAT_CHOICE, default="f32", show_default=True,
@@ -72,11 +79,11 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32") -> dict
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, budgets, sparsity, tokens, runs, type_, threads, json_file):
+def main(shape, budgets, sparsity, activation_sparsity, tokens, runs, type_, threads, json_file):
     """Kernel GB/s vs copy, then hybrid vs layer policy decode tok/s per VRAM budget."""
     require_gpu("scripts/bench_gpu.py")
     cfg = shape_config(shape)
-    kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity, type_)
+    kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity, type_, activation_sparsity)
     base = random_engine(cfg, threads, fmt=FORMATS[type_])
     pred = synthetic_predictors(cfg, predictor_size(cfg))
     model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.bundle.nbytes for L in base.layers) + base.lm_head.nbytes

@@ -435,6 +435,12 @@ SHAPES = [
     *[("sparse_rows", dict(T=T, K=K, N=N, share=share, fmt=fmt), False) for fmt in ("f32", "f16", "bf16", "q8_0", "q4_0")
       for T, K, N, share in ((1, 37, 64, 0.5), (1, 9, 32, 0.0), (1, 40, 96, 1.0), (5, 30, 64, 0.3), (6, 7, 32, 1.0))],
     ("sparse_rows", dict(T=1, K=9, N=19, share=0.6, chunks=7), False), ("sparse_rows", dict(T=3, K=5, N=3, share=0.5), False),
+    ("thin", dict(T=1, K=11, share=0.5), True), ("thin", dict(T=3, K=9, share=0.3), True),
+    ("thin", dict(T=1, K=5, share=0.0), True), ("thin", dict(T=2, K=6, share=1.0), True),
+    ("thin_activations", dict(T=2, F=9, kind="silu", share=0.5), True),
+    ("thin_activations", dict(T=1, F=7, kind="relu", share=0.4, gated=False), True),
+    ("sparse_rows", dict(T=1, K=9, N=7, share=0.5), True), ("sparse_rows", dict(T=3, K=6, N=5, share=0.4), True),
+    ("sparse_rows", dict(T=1, K=5, N=6, share=0.0), True),
     ("sparse_rows", dict(T=40, K=33, N=64, share=0.4, fmt="q4_0"), False), ("sparse_rows", dict(T=37, K=9, N=5, share=0.0), False),
     ("dense_ffn_block", dict(F=20, D=19, kind="relu", norm="layer"), False),
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
@@ -499,11 +505,11 @@ SHAPES = [
 # Every weight format under the CUDA simulator too, on few blocks: one or two rows of whole 32-element blocks.
 SIM_FORMATS = [(name, {**shape, "fmt": fmt}, True) for fmt in ("f16", "bf16", "q8_0", "q4_0") for name, shape in (
     ("matmul", dict(T=2, N=5, K=32)), ("sparse_ffn", dict(F=6, D=32, n_active=3, kind="relu")),
-    ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")))]
+    ("ffn_block", dict(F=5, D=32, n_active=5, kind="drelu")), ("sparse_rows", dict(T=2, K=5, N=32, share=0.6)))]
 # Kernels that only the CPU has: the engines pick the active set on the host (fast.engine.Selector), the GPU's
 # share included, so fast.gpu has no predicted_set; the embeddings too; batched prefill runs on the CPU so far.
 CPU_ONLY = {"embed", "predicted_set", "union_mask", "sparse_ffn_batch", "dense_down", "dense_ffn_block", "ffn_batch_block",
-            "decode_attention_block", "thin", "thin_activations", "sparse_rows"}
+            "decode_attention_block"}
 DEVICE_SHAPES = [(n, s, sim) for n, s, sim in SHAPES + SIM_FORMATS if n not in CPU_ONLY and not s.get("interleaved")]
 
 

@@ -156,3 +156,65 @@ def test_hybrid_in_a_weight_format(tmp_path, fmt):
     assert hybrid.format.name == fmt and hybrid.gpu_layers[0].bundle.kind == gpu.KINDS[fmt]
     want = ref.quant.quantize_model(ref.load_model(d), fmt).logits(IDS)
     assert_close(hybrid.logits(IDS), want, rtol=1e-4)
+
+
+CUT = np.array([[0.3, 0.05, 0.3, 0.05]] * 2)  # thresholds [L, 4] keeping about half of each site's inputs
+
+
+def thinned(d, method, fmt=None, predictors=False):
+    """The CPU engine with activation sparsity, and ref's logits with the same thresholds."""
+    from fast.engine import apply_sparsity
+    from ref.activation_sparsity import apply_sparsity as ref_apply_sparsity
+    model = ref.load_model(d, predictors=d / "predictors.safetensors" if predictors else None)
+    model = ref.quant.quantize_model(model, fmt) if fmt else model
+    engine = fast.load_engine(d, type_=fmt) if fmt else Engine.load(d)
+    engine = cpu_engine(d) if predictors else engine
+    want = ref_apply_sparsity(model, method, CUT, ffn=not predictors).logits(IDS)
+    return apply_sparsity(engine, method, CUT, ffn=not predictors), want
+
+
+@pytest.mark.parametrize("method, split, dense, predictors", [
+    ("teal", "all", "all", False), ("wina", "all", "all", False), ("cats", "all", "all", False),
+    ("cats", "random", "cpu attention", False),  # CATS's neurons split as predicted ones
+    ("wina", "layer 0", "layer 0", False),  # the residual crosses over between a thinned GPU and CPU layer
+    ("teal", "random", "cpu attention", True)])  # predictors keep the FFN: attention thinned on both sides
+def test_activation_sparsity_on_the_gpu_is_refs_model(tiny, method, split, dense, predictors):
+    d, _, _ = tiny
+    engine, want = thinned(d, method, predictors=predictors)
+    neurons = ([np.arange(12, dtype=np.int32), np.empty(0, np.int32)] if split == "layer 0"
+               else SPLITS[split](np.random.default_rng(7)))
+    hybrid = to_hybrid(engine, neurons, dense_on_gpu=["attention.0"] if dense == "layer 0" else DENSE[dense])
+    assert_close(hybrid.logits(IDS), want, rtol=1e-4)
+    cache = hybrid.new_cache()  # a prompt, then a token at a time
+    got = [hybrid.forward(Batch.single(IDS[:2], cache), cache), hybrid.forward(Batch.single(IDS[2:], cache), cache)]
+    assert_close(np.concatenate(got), want, rtol=1e-4)
+
+
+def test_a_thinned_ffn_split_between_the_sides_is_refused(tiny):
+    d, _, _ = tiny
+    engine, _ = thinned(d, "teal")
+    with pytest.raises(UserError, match="layer 0 splits an FFN that activation sparsity"):
+        to_hybrid(engine, SPLITS["random"](np.random.default_rng(7)))
+
+
+@pytest.mark.parametrize("fmt, method", [("q4_0", "wina"), ("bf16", "teal"), ("q8_0", "cats")])
+def test_activation_sparsity_on_the_gpu_in_a_weight_format(tmp_path, fmt, method):
+    """The stored transposes in the engine's format on the card (q8_0, q4_0 quantized along their outputs)."""
+    d = write_model(tmp_path, {**TINY, "hidden_size": 64, "intermediate_size": 32}, seed=4)  # k, v: 32 columns
+    engine, want = thinned(d, method, fmt)
+    hybrid = to_hybrid(engine, [np.arange(32, dtype=np.int32)] * 2)
+    assert hybrid.gpu_layers[0].attention[2].kind == gpu.KINDS[fmt]
+    assert_close(hybrid.logits(IDS), want, rtol=1e-4)
+
+
+def test_device_gpu_runs_a_calibrated_sparsity(tiny, tmp_path):
+    """fast.load_engine(--device gpu --sparsity S): thresholds from the file, every layer on the card."""
+    from ref.activation_sparsity import LEVELS, Thresholds, apply_sparsity, sparsity_to_run
+    d, cfg, _ = tiny
+    table = np.broadcast_to(LEVELS, (2, 4, len(LEVELS))).astype(np.float32)  # threshold = level
+    Thresholds({"wina": table}, {}, np.zeros(0), np.array([8, 8, 8, 12]), {}).save(tmp_path / "s.safetensors")
+    e = fast.load_engine(d, device="gpu", vram_budget=0.5, sparsity=0.4, sparsity_method="wina",
+                         sparsity_file=tmp_path / "s.safetensors")
+    assert e.n_gpu_layers == 2 and all(G.gate_up_t is not None for G in e.gpu_layers)
+    cut = sparsity_to_run(cfg, d, 0.4, "wina", tmp_path / "s.safetensors")
+    assert_close(e.logits(IDS), apply_sparsity(ref.load_model(d), "wina", cut).logits(IDS), rtol=1e-4)
