@@ -333,6 +333,7 @@ SHAPES = {
                  "rope_theta": 1e6},
     "tiny": llama_shape(256, 1024, 6, 8, 4, 4096),  # the shipped model's shape, for quick runs
     "micro": llama_shape(16, 24, 2, 2, 1, 32),  # smoke runs under the CUDA simulator
+    "micro-32": llama_shape(32, 64, 2, 2, 1, 32),  # the same in every weight format (rows of whole q4_0 blocks)
 }
 # Family -> the config field that names its FFN activation.
 ACTIVATION_FIELDS = {"llama": "hidden_act", "opt": "activation_function", "falcon": "activation"}
