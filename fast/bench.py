@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from fast import cpu
-from fast import engine as engine_module
 from fast.engine import Engine, Selector, apply_sparsity, dense_ffn, joined
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
@@ -83,24 +82,21 @@ def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) ->
     apply_sparsity(thinned, "teal", np.zeros((engine.config.n_layers, 4), F32), ffn)
     site = {id(L.thin.w[s]): (L, s) for L in thinned.layers for s in range(4)}
     scores = {key: [] for key in site}
-    product, thin_activations = engine_module.thinned_product, cpu.thin_activations
+    thin, thin_activations = cpu.thin, cpu.thin_activations
 
-    def recorded_product(out, x, wt, thin, s, chunks):
-        scores[id(thin.w[s])].append(np.abs(x) * thin.w[s])
-        product(out, x, wt, thin, s, chunks)
+    def recorded_thin(out, ids, x, w, t):
+        scores[id(w)].append(np.abs(x) * w)
+        return thin(out, ids, x, w, t)
 
     def recorded_activations(a, ids, gu, bias, kind, thr, w, t):
         n = thin_activations(a, ids, gu, bias, kind, thr, w, t)
         scores[id(w)].append(np.abs(a) * w)  # at t = 0 only its zeros are dropped, which are 0 here too
         return n
-    # the layer-by-layer path (no compiled step), whose products the recorders see
-    engine_module.thinned_product, cpu.thin_activations, thinned.step_layers = (recorded_product,
-                                                                               recorded_activations, lambda: None)
+    cpu.thin, cpu.thin_activations = recorded_thin, recorded_activations
     try:
         decode_tok_s(thinned, tokens)
     finally:
-        engine_module.thinned_product, cpu.thin_activations = product, thin_activations
-        del thinned.step_layers
+        cpu.thin, cpu.thin_activations = thin, thin_activations
     for key, (L, s) in site.items():
         if scores[key]:
             L.thin.t[s] = np.quantile(np.concatenate([v.ravel() for v in scores[key]]), sparsity)

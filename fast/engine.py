@@ -494,22 +494,18 @@ class Engine(Decoder):
     def step_layers(self) -> list | None:
         """The per-layer arrays cpu.decode_step reads (cpu.StepLayer's fields but the cache's slots), kept until a
         transform changes the layers (layers_changed) or the selector is replaced; None where the step does not
-        apply: the dense layout (dense_ffn), or a selector whose own pick reads the logits. With activation sparsity,
-        cpu.ThinStepLayer's: the transposes, the thinned FFN's or the bundles' kind, each site's weights and
-        threshold."""
+        apply: the dense layout (dense_ffn), activation sparsity, or a selector whose own pick reads the logits."""
         sel, c, L0 = self.selector, self.config, self.layers[0]
-        if L0.gate_up is not None or (sel.predicts and not sel.by_threshold and not sel.ahead):
+        if L0.gate_up is not None or L0.wqkv is None or (sel.predicts and not sel.by_threshold and not sel.ahead):
             return None
         if self._step is None or self._step[0] is not sel:
             none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
             parts = []
             for l, L in enumerate(self.layers):
                 post = (L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
-                thin = (L.gate_up_t, L.thin.w, L.thin.t, *self.ffn_kind(L)) if L.thin is not None else ()
-                parts.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post,
-                              L.wqkv if L.thin is None else L.wqkv_t, L.bqkv, L.qk_norms,
-                              L.wo if L.thin is None else L.wo_t, L.bo, L.bundle, L.bu, L.bd,
-                              *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none)), *thin))
+                parts.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
+                              L.qk_norms, L.wo, L.bo, L.bundle, L.bu, L.bd,
+                              *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
             self._step = (sel, parts)
         return self._step[1]
 
@@ -537,9 +533,9 @@ class Engine(Decoder):
         what cpu.decode_step reads, kept until the cache's arrays or the layers change."""
         kept = self._rows
         if kept is None or kept[0]() is not cache or kept[1] != cache.version or kept[2] is not layers:
-            rows, kind = List(), cpu.StepLayer if self.layers[0].thin is None else cpu.ThinStepLayer
+            rows = List()
             for parts, slots in zip(layers, self.slot_lists(cache)):
-                rows.append(kind(*parts, *slots))
+                rows.append(cpu.StepLayer(*parts, *slots))
             kept = self._rows = (weakref.ref(cache), cache.version, layers, rows)
         return kept[3]
 
@@ -574,12 +570,9 @@ def thinned_product(out: np.ndarray, x: np.ndarray, wt: np.ndarray, thin: Thin, 
     [K, N] that some token keeps (fast.cpu.sparse_rows; in BLAS for steps that `kernels` sends there).
     out: [T, N]; x: [T, K]."""
     T, K = x.shape
-    if kernels(T, K) is cpu:
-        cpu.thinned_product(out, x, wt, thin.w[site], thin.t[site], chunks)
-        return
     xt, ids = np.empty_like(x), np.empty(K, np.int32)
     n = cpu.thin(xt, ids, x, thin.w[site], thin.t[site])
-    blas.sparse_rows(out, np.empty((chunks, T, out.shape[1]), F32), xt, wt, ids, n)
+    kernels(T, K).sparse_rows(out, np.empty((chunks, T, out.shape[1]), F32), xt, wt, ids, n)
 
 
 def pre_norm_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:

@@ -39,9 +39,8 @@ from fast.cpu.ffn import (TILE_SHARE, activations, dense_down, dense_ffn_block, 
                           round_q8_0, sparse_ffn, sparse_ffn_batch, sparse_ffn_batch_chunk, sparse_ffn_chunk,
                           union_mask)
 from fast.cpu.matmul import MATMUL_CHUNKS, matmul  # noqa: E402
-from fast.cpu.step import StepLayer, ThinStepLayer, decode_step  # noqa: E402
-from fast.cpu.thin import (sparse_rows, sparse_rows_chunk, thin, thin_activations, thinned_attention_block,  # noqa: E402
-                           thinned_ffn_block, thinned_product)
+from fast.cpu.step import StepLayer, decode_step  # noqa: E402
+from fast.cpu.thin import sparse_rows, sparse_rows_chunk, thin, thin_activations  # noqa: E402
 
 __all__ = ["BLOCKS", "CATS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "activation",
            "activation_py", "activations", "add_bias", "attend", "attention", "attention_block", "causal_logits",
@@ -51,5 +50,4 @@ __all__ = ["BLOCKS", "CATS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "
            "predictor", "prefetch", "prefetch_row", "prefetch_rows", "qk_norm", "qkv_proj", "read_bandwidth_probe",
            "relu_", "rmsnorm", "rope", "round_q8_0", "self_attention", "sparse_ffn", "sparse_ffn_batch",
            "sparse_ffn_batch_chunk", "sparse_ffn_chunk", "sparse_rows", "sparse_rows_chunk", "sum_chunks", "thin",
-           "thin_activations", "thinned_attention_block", "thinned_ffn_block", "thinned_product", "ThinStepLayer",
-           "union_mask"]
+           "thin_activations", "union_mask"]

@@ -3,15 +3,13 @@
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from fast.quant import n_rows
 from fast.cpu.base import norm
 from fast.cpu.matmul import matmul
 from fast.cpu.attention import attention_block, decode_attention_block
 from fast.cpu.ffn import ffn_batch_block, ffn_block, predicted_set, predictor
-from fast.cpu.thin import thinned_attention_block, thinned_ffn_block
 
 
 # One layer of a decode step as cpu.decode_step reads it (fast.engine.Engine.step_rows builds a typed list of them):
@@ -22,11 +20,6 @@ StepLayer = namedtuple("StepLayer", ["attn_w", "attn_b", "ffn_w", "ffn_b", "post
                                      "post_ffn_b", "wqkv", "bqkv", "qk_norms", "wo", "bo", "bundle", "bu", "bd", "fc1",
                                      "fc2",
                                      "k_slots", "v_slots"])
-# A layer with activation sparsity (fast.engine.apply_sparsity): wqkv and wo hold the stored transposes; gate_up_t
-# the FFN's [D, 2F] with the down rows [F, 1, B] in bundle (TEAL, WINA), or None where the FFN is neuron bundles
-# (CATS's, or beside predictors); the four sites' score weights and thresholds; the bundles' kind and threshold.
-ThinStepLayer = namedtuple("ThinStepLayer", [*StepLayer._fields[:-2], "gate_up_t", "thin_w", "thin_t", "kind", "thr",
-                                             "k_slots", "v_slots"])
 
 @njit(cache=True, nogil=True)
 def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given, bounds, picks, acc, kind, thr, block,
@@ -44,14 +37,19 @@ def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given
     outside the kernels). One typed list, since numba types a tuple of typed lists slowly (80 us a call against 1 us) and unboxes each
     typed list argument from cold code after a read pass (about 33 us each); the output head runs here where it can,
     for the same reason."""
-    F = layers[0].bundle.shape[0]  # the bundle's neurons
+    T, F = h.shape[0], layers[0].bundle.shape[0]  # tokens, the bundle's neurons
     a, y = np.empty_like(h), np.empty_like(h)  # [T, D]
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(layers)):
         L = layers[l]
         if block == 2:  # parallel: the FFN reads the layer input too
             step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps)
-        step_attention(a, h, L, seqs, positions, cos, sin, eps, acc)
+        if T == 1:
+            attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots[seqs[0]],
+                            L.v_slots[seqs[0]], cos, sin, positions[0], eps)
+        else:
+            decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots,
+                                   L.v_slots, seqs, positions, cos, sin, eps)
         h += a
         norm(h, h, L.post_attn_w, L.post_attn_b, eps)
         if block != 2:
@@ -64,48 +62,8 @@ def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given
         matmul(out, x, lm_head)
 
 
-def step_attention(a, h, L, seqs, positions, cos, sin, eps, acc):
-    """a = the attention block of layer L (a StepLayer or ThinStepLayer) for one token of each sequence."""
-
-
-@overload(step_attention)
-def _step_attention(a, h, L, seqs, positions, cos, sin, eps, acc):
-    if L.instance_class is ThinStepLayer:
-        def thinned(a, h, L, seqs, positions, cos, sin, eps, acc):
-            thinned_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots,
-                                    L.v_slots, seqs, positions, cos, sin, eps, L.thin_w, L.thin_t, acc.shape[0])
-        return thinned
-
-    def rows(a, h, L, seqs, positions, cos, sin, eps, acc):
-        if h.shape[0] == 1:
-            attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots[seqs[0]],
-                            L.v_slots[seqs[0]], cos, sin, positions[0], eps)
-        else:
-            decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots,
-                                   L.v_slots, seqs, positions, cos, sin, eps)
-    return rows
-
-
-def step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps):
-    """y = the FFN block of layer l (L) of h [T, D]: bundles_ffn, with the layer's own kind and threshold in a
-    ThinStepLayer (CATS's), or a thinned FFN's thinned_ffn_block."""
-
-
-@overload(step_ffn)
-def _step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps):
-    if L.instance_class is not ThinStepLayer:
-        return lambda y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps: bundles_ffn(
-            y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps)
-    if isinstance(L.types[L.fields.index("gate_up_t")], types.NoneType):
-        return lambda y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps: bundles_ffn(
-            y, h, l, L, threshold, given, bounds, picks, logits, active, acc, L.kind, L.thr, eps)
-    return lambda y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps: thinned_ffn_block(
-        y, h, L.ffn_w, L.ffn_b, L.gate_up_t, L.bundle[:, 0], L.bu, L.bd, L.kind, L.thr, L.thin_w, L.thin_t,
-        acc.shape[0], eps)
-
-
 @njit(inline="always")
-def bundles_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps):
+def step_ffn(y, h, l, L, threshold, given, bounds, picks, logits, active, acc, kind, thr, eps):
     """y = the FFN block of layer l (L, a StepLayer) of h [T, D] over each token's set: one token's ffn_block over
     the predictor's threshold where `bounds` is empty, else over layer l's given set given[bounds[l]:bounds[l + 1]]
     (a pick that does not read the logits; the predictor still runs where there is one); several tokens'

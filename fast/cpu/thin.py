@@ -1,14 +1,12 @@
 """Training-free activation sparsity (ref.activation_sparsity): a linear layer's input thinned (thin), and the product
 that reads only the rows of the stored transpose W^T that a non-zero input selects (sparse_rows), which is also the
-dense layout's down half (ffn.dense_down) and the FFN's down rows; a thinned layer's attention and FFN blocks as one
-compiled call each (what step.decode_step runs for a thinned model)."""
+dense layout's down half (ffn.dense_down) and the FFN's down rows."""
 
 import numpy as np
 from numba import njit, prange
 
-from fast.cpu.attention import decode_attention, qk_norm
-from fast.cpu.base import FASTMATH, activation, add_bias, norm, prefetch_row, sum_chunks
-from fast.quant import axpy, axpy4, axpy4t, row_length
+from fast.cpu.base import FASTMATH, activation, prefetch_row, sum_chunks
+from fast.quant import axpy, axpy4, axpy4t
 
 
 @njit(inline="always")
@@ -101,50 +99,3 @@ def sparse_rows(out, acc, x, wt, ids, n):
     for c in prange(C):
         sparse_rows_chunk(acc[c], x, wt, ids, c * n // C, (c + 1) * n // C)
     sum_chunks(out.reshape(T * N), acc.reshape((C, T * N)))
-
-
-@njit(cache=True, nogil=True)
-def thinned_product(out, x, wt, w, t, chunks):
-    """out = W thin(x) per token (fast.engine.thinned_product): x thinned by |x| w > t, then the rows of the stored
-    transpose wt [K, N] that some token keeps.  out: [T, N]; x: [T, K]; chunks: the workers' accumulators."""
-    xt, ids = np.empty_like(x), np.empty(x.shape[1], np.int32)
-    n = thin(xt, ids, x, w, t)
-    sparse_rows(out, np.empty((chunks, x.shape[0], out.shape[1]), np.float32), xt, wt, ids, n)
-
-
-@njit(cache=True, nogil=True)
-def thinned_attention_block(out, h, attn_norm, attn_norm_b, wqkv_t, bqkv, qk_norms, wo_t, bo, k_caches, v_caches,
-                            seqs, positions, cos, sin, eps, w, t, chunks):
-    """fast.engine.Engine.thinned_attention for one new token of each of T sequences (token t of sequence seqs[t] at
-    positions[t]), as one compiled call: q, k, v from the normed input thinned (w[0], t[0]), o from the attention
-    output thinned (w[1], t[1]).  out, h: [T, D]; wqkv_t: [D, (H + 2K) E]; wo_t: [H E, D]; w: the four sites'
-    score weights; t: [4]; k_caches, v_caches: typed lists of every slot's [room, K, E]."""
-    T = h.shape[0]
-    K, E = k_caches[seqs[0]].shape[1], k_caches[seqs[0]].shape[2]
-    x = np.empty_like(h)
-    norm(x, h, attn_norm, attn_norm_b, eps)
-    qkv = np.empty((T, row_length(wqkv_t)), np.float32)  # [T, (H + 2K) E]
-    thinned_product(qkv, x, wqkv_t, w[0], t[0], chunks)
-    add_bias(qkv, bqkv)
-    qk_norm(qkv, qk_norms, K, eps)
-    att = np.empty((T, qkv.shape[1] - 2 * K * E), np.float32)  # [T, H E]
-    decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin)
-    thinned_product(out, att, wo_t, w[1], t[1], chunks)
-    add_bias(out, bo)
-
-
-@njit(cache=True, nogil=True)
-def thinned_ffn_block(y, h, ffn_norm, ffn_norm_b, gate_up_t, down_t, bu, bd, kind, thr, w, t, chunks, eps):
-    """fast.engine's thinned FFN (Engine.ffn_block with activation sparsity) of tokens h [T, D] as one compiled call:
-    y = Wd thin(a(g, u)) + bd, [g | u] = [Wg | Wu] thin(norm(h)).  gate_up_t: [D, 2F] (non-gated [D, F]); down_t:
-    [F, D] rows; bu: the up rows' bias or [0]; w, t: the four sites' score weights and thresholds."""
-    T, D = h.shape
-    F = down_t.shape[0]
-    x = np.empty_like(h)
-    norm(x, h, ffn_norm, ffn_norm_b, eps)
-    gu = np.empty((T, row_length(gate_up_t)), np.float32)  # [T, 2F]
-    thinned_product(gu, x, gate_up_t, w[2], t[2], chunks)
-    a, ids = np.empty((T, F), np.float32), np.empty(F, np.int32)
-    n = thin_activations(a, ids, gu, bu, kind, thr, w[3], t[3])
-    sparse_rows(y, np.empty((chunks, T, D), np.float32), a, down_t, ids, n)
-    add_bias(y, bd)

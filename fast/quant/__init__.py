@@ -34,7 +34,7 @@ from fast.quant.groups import (block_dot8, block_dot8_4t, block_dot8x2_4t, block
                                run_dot4_ahead, run_dot4t)
 from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUN_FORMATS, RUNS,
                                 LAYOUTS, TYPES, Layout, for_matmul, for_sparse, in_runs, interleave, interleaved,
-                                is_float, layout_of, n_rows, plain, row_length, to_runs)
+                                is_float, layout_of, n_rows, plain, to_runs)
 
 # The row operations below, and what the kernels and tests take from the modules.
 __all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS", "Layout", "OFFSET",
@@ -43,8 +43,8 @@ __all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMAT
            "block_dot8", "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "dot", "dot2", "dot2_2t", "dot2_4t",
            "dot2t", "dot4", "dot4_ahead", "dot4t", "dot4x4", "f16_round", "f16_to_f32", "for_matmul", "for_sparse",
            "hints_ahead", "in_runs", "interleave", "interleaved", "is_float", "layout_of", "load", "n_rows", "plain",
-           "prefetch_span", "q8_0_block", "quantize_input", "row_length", "run_dot", "run_dot2t", "run_dot4",
-           "run_dot4_ahead", "run_dot4t", "to_runs"]
+           "prefetch_span", "q8_0_block", "quantize_input", "run_dot", "run_dot2t", "run_dot4", "run_dot4_ahead",
+           "run_dot4t", "to_runs"]
 
 
 # ---------------------------------------------------------------------------------------------------- the row operations

@@ -113,17 +113,6 @@ def _n_rows(w):
     return lambda w: w.shape[0] * per
 
 
-def row_length(w) -> int:
-    """Elements of each row of a matrix, in Python and in kernels."""
-    return w.shape[1] * layout_of(w).elements
-
-
-@overload(row_length)
-def _row_length(w):
-    per = TYPES[w.dtype].elements
-    return lambda w: w.shape[1] * per
-
-
 def interleave(*parts: np.ndarray) -> np.ndarray:
     """Matrices [N_i, B] of q8_0 or q4_0 blocks, stacked, as groups of ROWS rows [sum N_i / ROWS, B] (INTERLEAVED;
     each N_i % ROWS == 0): each part written into its groups, no stacked copy first."""
