@@ -192,26 +192,40 @@ class ReadProbe:
         return self.a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def bracketed_decode(engines: dict, probe: ReadProbe, tokens: int, seed: int = 0, peer=None) -> dict:
+def depth_prompt(depth: int, vocab: int) -> np.ndarray:
+    """The prompt a decode round starts from: `depth` tokens (llama-bench's -d), at least one."""
+    return (np.arange(max(depth, 1)) * 7 + 1) % vocab
+
+
+def bracketed_decode(engines: dict, probe: ReadProbe, tokens: int, seed: int = 0, peer=None, depth: int = 0,
+                     held: dict | None = None) -> dict:
     """One round: `tokens` decode steps for each engine in turn (each with its own selector; and for the `peer`,
-    llama.cpp, if given), every token between two probe passes.
+    llama.cpp, if given), every token between two probe passes, after a prompt of `depth` tokens. With `held`, each
+    engine's prefilled cache is kept there and later rounds start from it again (their steps overwrite the last
+    round's), as the peer rewinds its own: a long prompt is run once.
 
     On a shared machine the bandwidth a token gets moves within a second, so each token is compared with the
     passes just before and after it (`around`), and the engines with each other step by step. Returns per
     engine the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
+    V = next(iter(engines.values())).config.vocab_size
+    prompt, held = depth_prompt(depth, V), {} if held is None else held
     steps = {}
     for name, engine in engines.items():
-        cache = engine.new_cache(tokens + 1)
-        engine.forward(Batch.single([1], cache), cache)
+        cache = held.get(name)
+        if cache is None:
+            cache = held[name] = engine.new_cache(len(prompt) + tokens)
+            engine.forward(Batch.single(prompt, cache), cache)
+        cache.lengths[0] = len(prompt)
 
         def step(token, engine=engine, cache=cache):
             engine.forward(Batch.single([token], cache), cache)
         steps[name] = step
     if peer is not None:
-        peer.reset()
-        peer.step(1)
+        if held.get(peer.name) is None:
+            peer.prefill(prompt)
+            held[peer.name] = True
+        peer.rewind(len(prompt))
         steps[peer.name] = peer.step
-    V = next(iter(engines.values())).config.vocab_size
     out = {name: {"seconds": [], "around": []} for name in steps}
     probes = [probe()]
     for i in range(tokens):
@@ -238,9 +252,6 @@ class LlamaCpp:
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
                          verbose=False)
 
-    def reset(self) -> None:
-        self.llm.reset()
-
     def step(self, token: int) -> None:
         self.llm.eval([token])
 
@@ -248,6 +259,10 @@ class LlamaCpp:
         """A prompt from an empty cache, in llama.cpp's batches."""
         self.llm.reset()
         self.llm.eval([int(t) for t in tokens])
+
+    def rewind(self, n: int) -> None:
+        """Keep the first n cached positions: the next step writes position n (eval drops the cache past it)."""
+        self.llm.n_tokens = n
 
 
 def prefill_rounds(engines: dict, n: int, runs: int, peer=None) -> dict:
@@ -322,10 +337,12 @@ def busy_cores(n: int):
             p.wait()
 
 
-def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0) -> float:
-    """Weight bytes a decode step reads: attention, the active neurons' FFN rows (bundles, or the dense layout's
-    rows), the engine's predictors, lm_head; of matrices whose inputs are thinned (activation sparsity), the `kept`
-    share of their rows."""
+def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0, depth: int = 0,
+                    kv_itemsize: int = 4) -> float:
+    """Bytes a decode step reads: attention, the active neurons' FFN rows (bundles, or the dense layout's rows), the
+    engine's predictors, lm_head; of matrices whose inputs are thinned (activation sparsity), the `kept` share of
+    their rows; and the keys and values of `depth` cached positions (`kv_itemsize` bytes each: float32 here,
+    llama.cpp's f16 2)."""
     c, L0, selector = engine.config, engine.layers[0], engine.selector
     attn = L0.wqkv.nbytes + L0.wo.nbytes if L0.wqkv is not None else kept * (L0.wqkv_t.nbytes + L0.wo_t.nbytes)
     if L0.gate_up_t is not None:
@@ -333,7 +350,8 @@ def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0) ->
     else:
         ffn = active_neurons * (L0.bundle.nbytes + (0 if L0.gate_up is None else L0.gate_up.nbytes)) / c.d_ffn
     pred = sum(a.nbytes + b.nbytes for a, b in zip(selector.fc1, selector.fc2)) if selector.predicts else 0
-    return c.n_layers * (attn + ffn) + pred + engine.lm_head.nbytes
+    kv = 2 * depth * c.n_kv_heads * c.head_dim * kv_itemsize
+    return c.n_layers * (attn + ffn + kv) + pred + engine.lm_head.nbytes
 
 
 def decode_tok_s(engine: Engine, tokens: int, seed: int = 0) -> float:

@@ -41,6 +41,9 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
 @click.option("--busy", type=click.IntRange(min=0), default=0, show_default=True,
               help="Run this many spinning processes beside the benchmark (a machine something else uses).")
 @click.option("--tokens", type=int, default=16, show_default=True, help="Decode steps per run.")
+@click.option("--depth", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Cached positions before the decode steps (llama-bench's -d): a prompt of this many tokens, run "
+                   "once, each round decoding after it.")
 @click.option("--runs", type=int, default=7, show_default=True, help="Rounds of --tokens steps each, after one warm-up.")
 @click.option("--probe-gib", type=float, default=1.0, show_default=True, help="Size of one read-bandwidth probe pass.")
 @click.option("--pp", type=click.IntRange(min=0), default=0, show_default=True,
@@ -52,12 +55,12 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
               help="Also time llama.cpp (llama-cpp-python, the 'peer' extra) on a random GGUF of the same shape and format.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
 @user_errors
-def main(shape, sparsity, activation_sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp,
-         sequences, with_peer, json_file):
+def main(shape, sparsity, activation_sparsity, layers, type_, predictor_type, threads, busy, tokens, depth, runs,
+         probe_gib, pp, sequences, with_peer, json_file):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
     with busy_cores(busy):
         run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences,
-            with_peer, json_file, activation_sparsity)
+            with_peer, json_file, activation_sparsity, depth)
 
 
 def parse_sequences(text: str) -> list[int]:
@@ -71,7 +74,7 @@ def parse_sequences(text: str) -> list[int]:
 
 
 def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
-        json_file, activation_sparsity=None):
+        json_file, activation_sparsity=None, depth=0):
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
     if activation_sparsity is not None and not 0 < activation_sparsity < 1:
@@ -80,7 +83,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         raise click.UsageError("--runs and --tokens must be >= 1")
     batches = parse_sequences(sequences)
     batches = sorted({1, *batches}) if batches else []  # B = 1 timed the same way: the scaling's denominator
-    cfg = shape_config(shape, layers)
+    cfg = shape_config(shape, layers, context=max(2048, depth + tokens, pp))
     if with_peer and cfg.family != "llama":
         raise click.UsageError(f"--peer times llama.cpp on a GGUF of the LLaMA family (llama, qwen2, qwen3), which "
                                f"{shape} is not")
@@ -104,16 +107,19 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         peer = None
         if with_peer:  # llama.cpp on a random GGUF of the same shape and format, timed token by token among ours
             random_gguf(cfg, engine.format, Path(tmp) / "peer.gguf")
-            peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, max(tokens, pp) + 2)
-        rounds = [bracketed_decode(engines, probe, tokens, r, peer) for r in range(runs + 1)][1:]  # round 0 compiles
+            peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, max(depth + tokens, pp) + 2)
+        held = {}  # each engine's cache after the --depth prompt, run once
+        rounds = [bracketed_decode(engines, probe, tokens, r, peer, depth, held)
+                  for r in range(runs + 1)][1:]  # round 0 compiles
+        del held
         prefill = prefill_rounds(engines, pp, runs, peer) if pp else {}
     together = {B: sequence_rounds(engines, B, tokens, runs) for B in batches}
     names = [*engines, *([LlamaCpp.name] if peer else [])]
     predicting = isinstance(engine.selector, SyntheticSelector)  # not: activation sparsity alone (--sparsity 0)
     active = engine.selector.mean_active() if predicting else cfg.d_ffn  # neurons a sparse token computes
-    nbytes = {"dense": bytes_per_token(engines["dense"], cfg.d_ffn),
-              "sparse": bytes_per_token(engine, active, kept)}
-    nbytes[LlamaCpp.name] = nbytes["dense"]  # the same matrices, dense
+    nbytes = {"dense": bytes_per_token(engines["dense"], cfg.d_ffn, depth=depth),
+              "sparse": bytes_per_token(engine, active, kept, depth)}
+    nbytes[LlamaCpp.name] = bytes_per_token(engines["dense"], cfg.d_ffn, depth=depth, kv_itemsize=2)  # dense, f16 KV
     seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in names}  # every token
     around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in names}  # its probe passes, GB/s
     tok_s = {name: [tokens / sum(r[name]["seconds"]) for r in rounds] for name in names}  # per round
@@ -126,6 +132,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     halves = {"slower": by_bus[: max(1, len(steps) // 2)], "faster": by_bus[len(steps) // 2:]}  # one step: both halves
     overhead = overhead_per_token(cfg, engine.threads)
     out = {"shape": shape, "type": type_, "predictor_type": pfmt.name, "layers": cfg.n_layers, "threads": engine.threads, "busy": busy,
+           "depth": depth,
            "sparsity": sparsity, "activation_sparsity": activation_sparsity,
            "predictor_hidden": R, "mean_active": active,
            "read_bandwidth_gbs": float(np.median(probes)), "read_peak_gbs": float(probes.max()), **results,
@@ -157,7 +164,8 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         t = np.asarray(r["runs"])
         backend = "llama.cpp cpu dense" if name == LlamaCpp.name else f"numba-cpu {name}"
         click.echo(f"| {shape} x{cfg.n_layers} {type_.upper()} | {size_gib:.2f} GiB | {cfg.n_params / 1e9:.2f} B | {backend} | "
-                   f"{engine.threads} | tg{tokens} | {t.mean():.2f} ± {t.std():.2f} | {r['tok_s'] * r['bytes_per_token'] / 1e9:.1f} | "
+                   f"{engine.threads} | tg{tokens}{f' @ d{depth}' if depth else ''} | {t.mean():.2f} ± {t.std():.2f} | "
+                   f"{r['tok_s'] * r['bytes_per_token'] / 1e9:.1f} | "
                    f"{r['roofline']:.0%} |")
     for name, t in prefill.items():
         backend = "llama.cpp cpu dense" if name == LlamaCpp.name else f"numba-cpu {name}"
@@ -180,7 +188,8 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
                + (f", {activation_sparsity:.0%} activation sparsity (TEAL)" if activation_sparsity else "") + "; "
                f"Python+dispatch overhead {overhead * 1e3:.2f} ms/token = {out['overhead_share_sparse']:.1%} of a sparse token")
     if peer:
-        click.echo("vs llama.cpp (dense, same shape and format, same run; median of step-by-step token-time ratios): "
+        click.echo("vs llama.cpp (dense, same shape and format, its KV cache f16 where ours is float32, same run; "
+                   "median of step-by-step token-time ratios): "
                    + ", ".join(f"{name} {r:.2f}x" for name, r in out["ratio_vs_llama_cpp"].items()))
     if json_file:
         json_file.write_text(json.dumps(out, indent=2) + "\n")

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import click
@@ -94,38 +95,42 @@ def ptxas_report(ptx: str, cc: tuple) -> dict:
             "shared": number(r"(\d+) bytes smem")}
 
 
-def compile_all(ccs: list) -> tuple[list, list]:
-    """(rows, problems): a row per kernel, weight format and capability; a problem per failure."""
+def compile_one(name: str, fmt: str, cc: tuple) -> tuple[dict | None, list]:
+    """(row, problems) of one kernel in one weight format for one capability."""
     from numba import cuda
-    rows, problems, found = [], [], kernels()
-    missing = sorted(set(found) - set(signatures(f32)))
-    problems += [f"{n}: a fast.gpu kernel without a signature in scripts/gpu_compile.py" for n in missing]
-    for name in sorted(signatures(f32)):
-        if name not in found:
-            problems.append(f"{name}: in the signature table, not in fast.gpu")
-            continue
-        for fmt in WEIGHTS if reads_weights(name) else ["-"]:
-            sig = signatures(WEIGHTS.get(fmt, f32))[name]
-            for cc in ccs:
-                row = {"kernel": name, "format": fmt, "cc": f"{cc[0]}.{cc[1]}"}
-                try:
-                    ptx, _ = cuda.compile_ptx(found[name].py_func, sig, cc=cc)
-                    row.update(ptxas_report(ptx, cc), ptx_lines=len(ptx.splitlines()))
-                except Exception as e:  # noqa: BLE001 - every failure is reported with its kernel, then exit 1
-                    problems.append(f"{name} ({fmt}, sm_{cc[0]}{cc[1]}): {type(e).__name__}: "
-                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-                    continue
-                if row["spill_stores"] or row["spill_loads"]:
-                    problems.append(f"{name} ({fmt}, sm_{cc[0]}{cc[1]}): spills {row['spill_stores']} bytes")
-                if row["shared"] > SHARED_LIMIT:
-                    problems.append(f"{name} ({fmt}, sm_{cc[0]}{cc[1]}): {row['shared']} bytes of shared memory")
-                rows.append(row)
-    return rows, problems
+    row = {"kernel": name, "format": fmt, "cc": f"{cc[0]}.{cc[1]}"}
+    where = f"{name} ({fmt}, sm_{cc[0]}{cc[1]})"
+    try:
+        ptx, _ = cuda.compile_ptx(kernels()[name].py_func, signatures(WEIGHTS.get(fmt, f32))[name], cc=cc)
+        row.update(ptxas_report(ptx, cc), ptx_lines=len(ptx.splitlines()))
+    except Exception as e:  # noqa: BLE001 - every failure is reported with its kernel, then exit 1
+        text = str(e).strip()
+        return None, [f"{where}: {type(e).__name__}: {text.splitlines()[0] if text else ''}"]
+    problems = [f"{where}: spills {row['spill_stores']} bytes"] if row["spill_stores"] or row["spill_loads"] else []
+    if row["shared"] > SHARED_LIMIT:
+        problems.append(f"{where}: {row['shared']} bytes of shared memory")
+    return row, problems
+
+
+def compile_all(ccs: list, jobs: int = 1) -> tuple[list, list]:
+    """(rows, problems): a row per kernel, weight format and capability (compiled by `jobs` processes); a problem
+    per failure."""
+    found, table = kernels(), signatures(f32)
+    problems = [f"{n}: a fast.gpu kernel without a signature in scripts/gpu_compile.py" for n in sorted(set(found) - set(table))]
+    problems += [f"{n}: in the signature table, not in fast.gpu" for n in sorted(set(table) - set(found))]
+    work = [(name, fmt, cc) for name in sorted(set(table) & set(found))
+            for fmt in (WEIGHTS if reads_weights(name) else ["-"]) for cc in ccs]
+    with ProcessPoolExecutor(jobs) as pool:
+        done = list(pool.map(compile_one, *zip(*work)))
+    rows = [row for row, _ in done if row is not None]
+    return rows, problems + [p for _, found_ in done for p in found_]
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--cc", default="8.0,9.0", show_default=True, help="Compute capabilities, comma-separated.")
-def main(cc):
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="the cores",
+              help="Compiling processes.")
+def main(cc, jobs):
     """Compile every fast.gpu kernel to PTX and run ptxas on it; print registers, spills, shared memory."""
     try:
         ccs = [tuple(int(p) for p in c.strip().split(".")) for c in cc.split(",")]
@@ -138,7 +143,7 @@ def main(cc):
         nvvm.NVVM()
     except Exception as e:  # noqa: BLE001 - no NVVM: say how to get it
         raise click.ClickException(f"NVVM not found ({type(e).__name__}): pip install -e '.[gpu]'")
-    rows, problems = compile_all(ccs)
+    rows, problems = compile_all(ccs, jobs)
     click.echo("| kernel | format | cc | registers | spills (bytes) | stack | shared (bytes) | PTX lines |")
     click.echo("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:

@@ -339,11 +339,12 @@ SHAPES = {
 ACTIVATION_FIELDS = {"llama": "hidden_act", "opt": "activation_function", "falcon": "activation"}
 
 
-def shape_config(name: str, layers: int | None = None, hidden_act: str = "relu") -> ModelConfig:
-    """The config of a named shape with activation `hidden_act` (optionally cut to `layers` layers)."""
+def shape_config(name: str, layers: int | None = None, hidden_act: str = "relu", context: int = 2048) -> ModelConfig:
+    """The config of a named shape with activation `hidden_act` (optionally cut to `layers` layers) and `context`
+    positions."""
     if name not in SHAPES:
         raise UserError(f"unknown shape '{name}' (known: {', '.join(SHAPES)})")
-    raw = {**SHAPES[name], "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    raw = {**SHAPES[name], "max_position_embeddings": context, "torch_dtype": "float32"}
     raw[ACTIVATION_FIELDS[ARCHITECTURES[raw["architectures"][0]]]] = hidden_act
     if layers:
         raw["num_hidden_layers"] = layers

@@ -130,3 +130,28 @@ def test_random_engine_of_every_family(shape):
                     vocab_size=300, max_seq_len=16)
     logits = random_engine(small, 1).logits([1, 2, 3])
     assert logits.shape == (3, 300) and np.isfinite(logits).all()
+
+
+def test_bench_at_depth(tmp_path):
+    """--depth D: decode after a D-token prompt run once; each round starts from D cached positions again, and the
+    bytes a token reads count their keys and values."""
+    args = ["--shape", "micro", "--tokens", "2", "--runs", "2", "--probe-gib", "0.01", "-t", "1", "--json"]
+    outs = []
+    for depth in (0, 40):
+        r = CliRunner().invoke(load_script("bench").main, [*args, str(tmp_path / f"b{depth}.json"), "--depth", str(depth)])
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads((tmp_path / f"b{depth}.json").read_text()))
+    assert "| tg2 @ d40 |" in r.output and outs[1]["depth"] == 40 and outs[1]["sparse"]["tok_s"] > 0
+    cfg = shape_config("micro")
+    kv = 2 * cfg.n_layers * 40 * cfg.n_kv_heads * cfg.head_dim * 4
+    for name in ("dense", "sparse"):
+        assert outs[1][name]["bytes_per_token"] - outs[0][name]["bytes_per_token"] == kv
+
+
+def test_rounds_at_depth_start_from_the_same_prompt():
+    from fast.bench import ReadProbe, bracketed_decode, random_engine
+    engine = random_engine(shape_config("micro"), 1)
+    held = {}
+    for r in range(3):
+        bracketed_decode({"dense": engine}, ReadProbe(0.001), 3, r, depth=10, held=held)
+        assert held["dense"].lengths[0] == 13
