@@ -192,9 +192,9 @@ class ReadProbe:
         return self.a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def depth_prompt(depth: int, vocab: int) -> np.ndarray:
-    """The prompt a decode round starts from: `depth` tokens (llama-bench's -d), at least one."""
-    return (np.arange(max(depth, 1)) * 7 + 1) % vocab
+def prompt_tokens(n: int, vocab: int) -> np.ndarray:
+    """A benchmark's prompt of n tokens, at least one (a decode round's at its depth, a timed prefill's)."""
+    return (np.arange(max(n, 1)) * 7 + 1) % vocab
 
 
 def bracketed_decode(engines: dict, probe: ReadProbe, tokens: int, seed: int = 0, peer=None, depth: int = 0,
@@ -208,7 +208,7 @@ def bracketed_decode(engines: dict, probe: ReadProbe, tokens: int, seed: int = 0
     passes just before and after it (`around`), and the engines with each other step by step. Returns per
     engine the token seconds and the mean of the passes around each token, and all passes (`probes`)."""
     V = next(iter(engines.values())).config.vocab_size
-    prompt, held = depth_prompt(depth, V), {} if held is None else held
+    prompt, held = prompt_tokens(depth, V), {} if held is None else held
     steps = {}
     for name, engine in engines.items():
         cache = held.get(name)
@@ -267,7 +267,7 @@ class LlamaCpp:
 
 def prefill_rounds(engines: dict, n: int, runs: int, peer=None) -> dict:
     """Seconds of an n-token prompt from an empty cache, per engine (and the peer), the runs interleaved."""
-    tokens = (np.arange(n) * 7 + 1) % next(iter(engines.values())).config.vocab_size
+    tokens = prompt_tokens(n, next(iter(engines.values())).config.vocab_size)
     out = {name: [] for name in [*engines, *([peer.name] if peer else [])]}
     for _ in range(runs + 1):  # the first round compiles
         for name, engine in engines.items():

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32
 
-from fast.cpu import activation_py
+from fast.cpu import activation_py, kept_py
 from fast.quant import layout_of, plain
 
 KINDS = {"f32": 0, "q8_0": 1, "q4_0": 2, "f16": 3, "bf16": 4}  # a Weight's kind, per ref.common.formats name
@@ -257,6 +257,7 @@ def _attention(out, q, k, v, pos0, scores):
 
 
 activation = cuda.jit(device=True, inline=True)(activation_py)
+kept = cuda.jit(device=True, inline=True)(kept_py)  # fast.cpu.thin's criterion; scores in float32 as ref's
 
 
 @cuda.jit
@@ -313,12 +314,6 @@ def _copy_cols(out, x, lo):
     T, N = out.shape
     if i < T * N:
         out[i // N, i % N] = x[i // N, lo + i % N]
-
-
-@cuda.jit(device=True, inline=True)
-def kept(v, w, t):
-    """fast.cpu.thin's criterion: |v| w > t, in float32 as ref scores."""
-    return abs(float32(v)) * w > t
 
 
 @cuda.jit

@@ -107,7 +107,8 @@ class HybridEngine(Decoder):
                          cuda.to_device(L.qk_norms), gpu.weight(wo).to_device(), cuda.to_device(L.bo))
         if sel.predicts and f"predictor.{l}" in self.dense_on_gpu:
             predictor = (gpu.weight(sel.fc1[l]).to_device(), gpu.weight(sel.fc2[l]).to_device())
-        if L.gate_up_t is not None and len(ids):  # a thinned FFN's input is read by every neuron: all or none
+        thinned_ffn = L.gate_up_t is not None and len(ids) > 0  # its input is read by every neuron: all or none
+        if thinned_ffn:
             if len(ids) < c.d_ffn:
                 raise UserError(f"placement: layer {l} splits an FFN that activation sparsity (teal, wina) thins "
                                 "as a whole; place whole layers (--policy layers)")
@@ -122,7 +123,7 @@ class HybridEngine(Decoder):
                      np.flatnonzero(slot < 0).astype(np.int32), self.host.ffn_kind(L))
         if thinned:
             G.attn_thin = sites(L, 0, 1)
-        if L.gate_up_t is not None and len(ids):  # the down rows in neuron order: every neuron (checked)
+        if thinned_ffn:  # the down rows in neuron order: every neuron (checked above)
             G.gate_up_t, G.ffn_thin = gpu.weight(L.gate_up_t).to_device(), sites(L, 2, 3)
         return G
 

@@ -40,13 +40,13 @@ from fast.cpu.ffn import (TILE_SHARE, activations, dense_down, dense_ffn_block, 
                           union_mask)
 from fast.cpu.matmul import MATMUL_CHUNKS, matmul  # noqa: E402
 from fast.cpu.step import StepLayer, decode_step  # noqa: E402
-from fast.cpu.thin import sparse_rows, sparse_rows_chunk, thin, thin_activations  # noqa: E402
+from fast.cpu.thin import kept_py, sparse_rows, sparse_rows_chunk, thin, thin_activations  # noqa: E402
 
 __all__ = ["BLOCKS", "CATS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "activation",
            "activation_py", "activations", "add_bias", "attend", "attention", "attention_block", "causal_logits",
            "copy_rows", "decode_attention", "decode_attention_block", "decode_attention_token", "decode_step",
            "dense_down", "dense_ffn_block", "embed", "exp_le0", "ffn_batch_block", "ffn_block", "ffn_neurons",
-           "gather_values", "layernorm", "masked_activation", "matmul", "norm", "normalize_rows", "predicted_set",
+           "gather_values", "kept_py", "layernorm", "masked_activation", "matmul", "norm", "normalize_rows", "predicted_set",
            "predictor", "prefetch", "prefetch_row", "prefetch_rows", "qk_norm", "qkv_proj", "read_bandwidth_probe",
            "relu_", "rmsnorm", "rope", "round_q8_0", "self_attention", "sparse_ffn", "sparse_ffn_batch",
            "sparse_ffn_batch_chunk", "sparse_ffn_chunk", "sparse_rows", "sparse_rows_chunk", "sum_chunks", "thin",

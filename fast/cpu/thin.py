@@ -9,10 +9,13 @@ from fast.cpu.base import FASTMATH, activation, prefetch_row, sum_chunks
 from fast.quant import axpy, axpy4, axpy4t
 
 
-@njit(inline="always")
-def kept(x, w, t):
-    """Whether an input survives: its score |x| w (TEAL: w = 1; WINA: its weight column's norm) above t."""
+def kept_py(x, w, t):
+    """Whether an input survives: its score |x| w (TEAL: w = 1; WINA: its weight column's norm) above t. Compiled
+    for the CPU here and for the GPU in fast.gpu."""
     return abs(x) * w > t
+
+
+kept = njit(inline="always")(kept_py)
 
 
 @njit(inline="always")
