@@ -36,7 +36,7 @@ from ref.common.formats import FORMATS, Format
 from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
-from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles
+from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles, shift_context
 from ref.quant import Quantized, blocks, quantize, quantize_predictors, stored_format, tensor_format, values
 
 F32 = np.float32
@@ -228,6 +228,10 @@ class Decoder:
     def generate(self, ids, max_new_tokens, **kwargs) -> list[int]:
         return generate(self, ids, max_new_tokens, **kwargs)
 
+    def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
+        """ref.model.shift_context on this engine's cache (a rare step: numpy's rope, as ref's, on float32 keys)."""
+        shift_context(self.config, cache, seq, keep, discard)
+
     def warm_up(self, notice=None) -> None:
         """Compile (or load the cached) kernels of a short prompt and of a decode step, timed as `compile_seconds`
         (llama.cpp warms up too): the first prompt otherwise paid for loading its kernels, 50 ms of the shipped
@@ -390,7 +394,7 @@ class Engine(Decoder):
         for the cache the engine last ran until its arrays change (KVCache.version)."""
         kept = self._slots
         if kept is None or kept[0]() is not cache or kept[1] != cache.version:
-            empty = np.zeros((0, *cache.shape), F32)
+            empty = np.zeros((cache.shape[0], 0, cache.shape[1]), F32)
             lists = [tuple(List([a if a is not None else empty for a in arrays[l]]) for arrays in (cache.k, cache.v))
                      for l in range(len(cache.k))]
             kept = self._slots = (weakref.ref(cache), cache.version, lists)

@@ -229,7 +229,7 @@ def _attention(out, q, k, v, pos0, scores):
     buf = cuda.shared.array(THREADS, float32)
     th = cuda.blockIdx.x
     T, H, E = q.shape
-    S, K = k.shape[0], k.shape[1]
+    K, S = k.shape[0], k.shape[1]
     t, h = th // H, th % H
     kv = h // (H // K)
     n = min(S, pos0 + t + 1)
@@ -238,7 +238,7 @@ def _attention(out, q, k, v, pos0, scores):
     for s in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         acc = float32(0.0)
         for e in range(E):
-            acc += q[t, h, e] * k[s, kv, e]
+            acc += q[t, h, e] * k[kv, s, e]
         acc *= scale
         scores[th, s] = acc
         m = max(m, acc)
@@ -252,7 +252,7 @@ def _attention(out, q, k, v, pos0, scores):
     for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
         acc = float32(0.0)
         for s in range(n):
-            acc += scores[th, s] * v[s, kv, e]
+            acc += scores[th, s] * v[kv, s, e]
         out[t, h, e] = acc / total
 
 
@@ -305,6 +305,16 @@ def _sum_rows(out, part):
         for c in range(part.shape[0]):
             s += part[c, d]
         out[d] = s
+
+
+@cuda.jit
+def _store_kv(cache, x, pos0):
+    """cache[kv, pos0 + t, e] = x[t, kv, e], elementwise (fast.cpu.store_kv).  cache: [K, room, E]; x: [T, K, E]."""
+    i = cuda.grid(1)
+    T, K, E = x.shape
+    if i < T * K * E:
+        t, kv, e = i // (K * E), i // E % K, i % E
+        cache[kv, pos0 + t, e] = x[t, kv, e]
 
 
 @cuda.jit
@@ -439,8 +449,16 @@ def rope(out, x, cos, sin, pos0):
         _rope[(n + TILE - 1) // TILE, TILE](out, x, cos, sin, pos0)
 
 
-def attention(out, q, k, v, pos0, scores):
-    _attention[q.shape[0] * q.shape[1], THREADS](out, q, k, v, pos0, scores)
+def attention(out, q, k, v, pos0):
+    """Same contract as fast.cpu.attention.  k, v: [K, S, E]."""
+    T, H = q.shape[0], q.shape[1]
+    _attention[T * H, THREADS](out, q, k, v, pos0, scratch("attn_scores", (T * H, min(k.shape[1], pos0 + T))))
+
+
+def store_kv(cache, x, pos0):
+    """Same contract as fast.cpu.store_kv."""
+    if x.size:
+        _store_kv[(x.size + TILE - 1) // TILE, TILE](cache, x, pos0)
 
 
 def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
@@ -514,18 +532,17 @@ def predictor(out, hidden, h, fc1, fc2):
 
 def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_cache, v_cache, cos, sin, pos0,
                     eps, thin=None):
-    """Same contract as fast.cpu.attention_block. The projections read row blocks of wqkv into contiguous buffers
-    (v straight into its cache rows), since a device array's column slices cannot be reshaped. With `thin` (device
+    """Same contract as fast.cpu.attention_block. The projections read row blocks of wqkv into contiguous buffers,
+    since a device array's column slices cannot be reshaped; keys and values go to the head-major cache (store_kv). With `thin` (device
     score weights and thresholds of attn_in and attn_out: w0, t0, w1, t1), activation sparsity as
     fast.engine.Engine.thinned_attention: wqkv and wo are the stored transposes, each read input-sparse."""
     T, D = h.shape
-    K, E = k_cache.shape[1], k_cache.shape[2]
+    K, E = k_cache.shape[0], k_cache.shape[2]
     W = weight(wqkv)
     H = (W.rows if thin is None else W.cols) // E - 2 * K
     x = scratch("attn_x", (T, D))
     norm(x, h, attn_norm, attn_norm_b, eps)
-    q, k = scratch("attn_q", (T, H * E)), scratch("attn_k", (T, K * E))
-    v = v_cache[pos0:pos0 + T].reshape(T, K * E)
+    q, k, v = scratch("attn_q", (T, H * E)), scratch("attn_k", (T, K * E)), scratch("attn_v", (T, K * E))
     if thin is None:
         matmul(q, x, W.slice(0, H * E))
         matmul(k, x, W.slice(H * E, (H + K) * E))
@@ -544,9 +561,12 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo
         rmsnorm(k.reshape(T * K, E), k.reshape(T * K, E), qk_norms[1], eps)
     q3 = q.reshape(T, H, E)
     rope(q3, q3, cos, sin, pos0)
-    rope(k_cache[pos0:pos0 + T], k.reshape(T, K, E), cos, sin, pos0)
+    k3 = k.reshape(T, K, E)
+    rope(k3, k3, cos, sin, pos0)
+    store_kv(k_cache, k3, pos0)
+    store_kv(v_cache, v.reshape(T, K, E), pos0)
     att = scratch("attn_att", (T, H, E))
-    attention(att, q3, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, scratch("attn_scores", (T * H, pos0 + T)))
+    attention(att, q3, k_cache, v_cache, pos0)  # whole slots: a query reads positions up to its own
     if thin is None:
         matmul(out, att.reshape(T, H * E), wo)
     else:

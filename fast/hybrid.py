@@ -163,6 +163,20 @@ class HybridEngine(Decoder):
                 dst.copy_to_device(src)
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, alloc, copy)
 
+    def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
+        """Decoder.shift, the slots of layers attending on the GPU through host copies (a shift is rare)."""
+        device = [l for l in range(self.config.n_layers) if self.gpu_layers[l].attention is not None]
+        held = {l: (cache.k[l][seq], cache.v[l][seq]) for l in device}
+        for l in device:
+            cache.k[l][seq], cache.v[l][seq] = held[l][0].copy_to_host(), held[l][1].copy_to_host()
+        try:
+            super().shift(cache, seq, keep, discard)
+        finally:
+            for l in device:
+                held[l][0].copy_to_device(cache.k[l][seq])
+                held[l][1].copy_to_device(cache.v[l][seq])
+                cache.k[l][seq], cache.v[l][seq] = held[l]
+
     def cpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache) -> np.ndarray:
         return self.host.attention_block(l, h.cpu(), batch, cache)
 

@@ -25,7 +25,7 @@ import numpy as np
 from fast.sampling import sample as fast_sample
 from ref.common.batch import Batch
 from ref.common.errors import UserError
-from ref.common.sampling import REPEAT_LAST_N, apply_repeat_penalty
+from ref.common.sampling import REPEAT_LAST_N, apply_repeat_penalty, shift_keep
 
 
 @dataclass
@@ -163,13 +163,17 @@ class Scheduler:
     """The engine thread and its request queue. `load()` runs on that thread first (numba's thread count and a CUDA
     context belong to the thread that sets them) and returns (engine, tokenizer)."""
 
-    def __init__(self, load, slots: int, ctx_size: int | None, batch_size: int = 512, max_queue: int = 64):
+    def __init__(self, load, slots: int, ctx_size: int | None, batch_size: int = 512, max_queue: int = 64,
+                 context_shift: bool = False, keep: int = 0):
         if slots < 1:
             raise UserError(f"-np/--parallel must be >= 1, got {slots}")
         if batch_size < 1:
             raise UserError(f"-b/--batch-size must be >= 1, got {batch_size}")
         if max_queue < 0:
             raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+        if keep < -1:
+            raise UserError(f"--keep must be >= 0, or -1 (the whole prompt), got {keep}")
+        self.context_shift, self.keep = context_shift, keep  # llama.cpp's --context-shift, --keep
         self.load, self.slots, self.ctx_size, self.batch_size = load, slots, ctx_size, batch_size
         self.waiting: queue.Queue = queue.Queue()  # accepted requests not yet in a slot (at most max_queue + free slots)
         self.max_queue = max_queue
@@ -305,6 +309,8 @@ class Scheduler:
         complete samples its next token."""
         for r in [r for r in self.running if r.cancelled.is_set()]:
             self.finish(r, None)
+        for r in [r for r in self.running if r.fed == len(r.prompt) and self.cache.lengths[r.slot] == self.ctx]:
+            self.alone(r, self.shift, r)  # a full slot that next_token let go on
         decoding = [r for r in self.running if r.fed == len(r.prompt)]
         runs, sampled = [(r.slot, [r.out[-1]]) for r in decoding], list(decoding)
         budget = self.batch_size - len(runs)
@@ -408,8 +414,22 @@ class Scheduler:
             self.send(r, ("text", piece, t))
         if stopped:
             return self.finish(r, "stop", flush=False)
-        if len(r.out) == p.max_tokens or len(r.prompt) + len(r.out) >= self.ctx:
+        full = len(r.prompt) + len(r.out) >= self.ctx  # prompt and output fill the context: shifted, or done
+        if len(r.out) == p.max_tokens or full and not (self.context_shift and self.kept(r) is not None):
             return self.finish(r, "length")
+
+    def kept(self, r: Request) -> int | None:
+        """The positions a context shift of request r keeps (--keep of its prompt; -1: all of it), None where that
+        leaves nothing to drop."""
+        try:
+            return shift_keep(len(r.prompt), self.ctx, self.keep)
+        except UserError:
+            return None
+
+    def shift(self, r: Request) -> None:
+        """Request r's full slot shifted (llama.cpp's context shift): the kept positions stay, half the rest go."""
+        keep = self.kept(r)
+        self.engine.shift(self.cache, r.slot, keep, (self.ctx - keep) // 2)
 
     def finish(self, r: Request, reason: str | None, error: str | None = None, flush: bool = True) -> None:
         """Free the request's slot; tell its reader why it ended (nothing for a cancelled request)."""

@@ -62,7 +62,7 @@ def chat_template(path: Path, tokenizer) -> ChatTemplate:
 
 def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: int, alias: str | None,
             api_key: str | None, host: str = "127.0.0.1", host_allow=(), max_body: int = MAX_BODY, cors=(),
-            **engine_options) -> tuple[Server, object]:
+            context_shift: bool = False, keep: int = 0, **engine_options) -> tuple[Server, object]:
     """A started scheduler, which loads the model on its engine thread (fast.load.load_engine with `engine_options`),
     and the application over it: what fast.serve and each fast.replicas replica run."""
     from fast.engine import free_cores
@@ -81,7 +81,8 @@ def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: i
             raise UserError(f"-c/--ctx-size {ctx_size} exceeds the model's context of {engine.config.max_seq_len}")
         return engine, tokenizer
 
-    server = Server(Scheduler(load, slots, ctx_size or None, batch_size, max_queue).start(), path, alias or path.name,
+    scheduler = Scheduler(load, slots, ctx_size or None, batch_size, max_queue, context_shift, keep)
+    server = Server(scheduler.start(), path, alias or path.name,
                     api_key, template, longest_piece, host_names(host, host_allow), max_body, tuple(cors))
     return server, create_app(server)
 
@@ -354,6 +355,10 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
 @click.option("-c", "--ctx-size", type=int, default=0, show_default=True,
               help="Positions each slot holds (0: the model's context); the cache grows with what the slots hold.")
 @click.option("-b", "--batch-size", type=int, default=512, show_default=True, help="Most tokens in one forward step.")
+@click.option("--context-shift", is_flag=True,
+              help="When a slot's context fills, drop half of its tokens after --keep and go on (llama.cpp's).")
+@click.option("--keep", type=int, default=0, show_default=True,
+              help="Tokens of each prompt a context shift keeps (-1: all of it).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a slot; beyond them the server answers 503 with Retry-After.")
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: the idle cores].")
@@ -380,9 +385,9 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
 @click.option("--shutdown-timeout", type=float, default=10.0, show_default=True,
               help="On SIGINT or SIGTERM, seconds running requests may go on before they end with their final event.")
 @user_errors
-def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, threads, device, type_, dense,
-         predictors, vram_budget, sparsity, sparsity_method, sparsity_file, alias, api_key, api_key_file, host_allow,
-         cors, max_body, shutdown_timeout):
+def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shift, keep, max_queue, threads, device,
+         type_, dense, predictors, vram_budget, sparsity, sparsity_method, sparsity_file, alias, api_key, api_key_file,
+         host_allow, cors, max_body, shutdown_timeout):
     """Serve MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) over OpenAI's HTTP API."""
     try:
         import uvicorn
@@ -410,7 +415,7 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, max_queue, t
         except OSError as e:
             raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
     server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, host, host_allow,
-                          int(max_body * 2**20), cors, device=device, predictors=default_predictors(path, predictors, dense),
+                          int(max_body * 2**20), cors, context_shift, keep, device=device, predictors=default_predictors(path, predictors, dense),
                           threads=threads, type_=type_, vram_budget=vram_budget, sparsity=sparsity,
                           sparsity_method=sparsity_method, sparsity_file=sparsity_file)
     scheduler = server.scheduler

@@ -75,13 +75,14 @@ def rope(x: np.ndarray, pos: np.ndarray, theta: float, scaling: tuple = ()) -> n
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Causal softmax(q k^T / sqrt(E)) v per head; query head h reads kv head h // (H/K) (GQA).
 
-    q: [T, H, E] at `positions` [T]; k, v: [S, K, E] for positions 0..S-1; a query sees keys up to its position.
+    q: [T, H, E] at `positions` [T]; k, v: [K, S, E] (head-major, as the cache holds them) for positions 0..S-1; a
+    query sees keys up to its position.
     """
     T, H, E = q.shape
-    S, K, _ = k.shape
+    K, S, _ = k.shape
     out = np.empty_like(q)  # [T, H, E]
     visible = np.arange(S)[None, :] <= np.asarray(positions)[:, None]  # [T, S]
-    q, k, v = (np.ascontiguousarray(a.transpose(1, 0, 2)) for a in (q, k, v))  # head-major: BLAS needs contiguity
+    q = np.ascontiguousarray(q.transpose(1, 0, 2))  # [H, T, E]: BLAS needs contiguity
     for h in range(H):
         kv = h // (H // K)
         scores = q[h] @ k[kv].T / np.sqrt(E)  # [T, S]
@@ -89,6 +90,18 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
         p = np.exp(scores - scores.max(-1, keepdims=True))
         out[:, h, :] = (p / p.sum(-1, keepdims=True)) @ v[kv]  # [T, E]
     return out
+
+
+def shift_context(cfg: ModelConfig, cache: KVCache, seq: int, keep: int, discard: int) -> None:
+    """Context shift (llama.cpp's): sequence `seq` forgets its positions keep..keep+discard-1 and its later ones
+    move down by `discard`, their keys rotated back by as many positions (rope at -discard: a rotation composes, so
+    a key at p becomes one at p - discard); learned positions leave the keys as they are."""
+    def rotate(keys):  # [K, m, E]
+        if cfg.positions != "rope":
+            return keys.copy()
+        back = np.full(keys.shape[1], -discard)
+        return rope(keys.transpose(1, 0, 2), back, cfg.rope_theta, cfg.rope_scaling).transpose(1, 0, 2)
+    cache.shift(seq, keep, discard, rotate)
 
 
 def ffn_activation(kind: str, g: np.ndarray, u: np.ndarray, t: float = 0.0) -> np.ndarray:
@@ -183,6 +196,9 @@ class Model:
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype, slots)
 
+    def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
+        shift_context(self.config, cache, seq, keep, discard)
+
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run."""
         runs = check_batch(batch, cache, self.config)
@@ -225,9 +241,9 @@ class Model:
         att = np.empty_like(q)  # [T, H, E]
         for seq, a, b in batch.runs():
             s0, s1 = batch.positions[a], batch.positions[a] + b - a
-            keys, values = cache.k[l][seq], cache.v[l][seq]  # [room, K, E]
-            keys[s0:s1], values[s0:s1] = k[a:b], v[a:b]
-            att[a:b] = attention(q[a:b], keys[:s1], values[:s1], batch.positions[a:b])
+            keys, values = cache.k[l][seq], cache.v[l][seq]  # [K, room, E]
+            keys[:, s0:s1], values[:, s0:s1] = k[a:b].transpose(1, 0, 2), v[a:b].transpose(1, 0, 2)
+            att[a:b] = attention(q[a:b], keys[:, :s1], values[:, :s1], batch.positions[a:b])
         return self.linear(att.reshape(T, -1), f"layers.{l}.wo")  # [T, D]
 
     def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

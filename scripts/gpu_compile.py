@@ -50,6 +50,7 @@ def signatures(q) -> dict:
         "_ffn_down": (a(f32, 2), a(f32, 1), w, a(f32, 2), i64, i64, a(i32, 1), i64),
         "_sum_rows": (a(f32, 1), a(f32, 2)),
         "_copy_cols": (a(f32, 2), a(f32, 2), i64),
+        "_store_kv": (a(f32, 3), a(f32, 3), i64),
         "_thin": (a(f32, 2), a(f32, 2), a(f32, 1), f32),
         "_thin_activations": (a(f32, 2), a(f32, 2), a(f32, 1), i64, f32, a(f32, 1), f32),
         "_union": (a(i32, 1), a(i32, 1), a(f32, 2)),

@@ -28,9 +28,9 @@ from fast import kernel_cache
 
 kernel_cache.install()  # before any kernel is defined: numba picks a function's cache locator then
 
-from fast.cpu.attention import (KV_AHEAD, attend, attention, attention_block, causal_logits,  # noqa: E402
-                                decode_attention, decode_attention_block, decode_attention_token, exp_le0,
-                                normalize_rows, qk_norm, qkv_proj, self_attention)
+from fast.cpu.attention import (BLOCK, SPLIT, attend, attention, attention_block, causal_logits,  # noqa: E402
+                                decode_attention, decode_attention_block, exp_le0, merge_items, normalize_rows,
+                                qk_norm, qkv_proj, self_attention, store_kv)
 from fast.cpu.base import (BLOCKS, CATS, FASTMATH, KINDS, activation, activation_py, add_bias, copy_rows, embed,  # noqa: E402
                            layernorm, norm, prefetch, prefetch_row, prefetch_rows, read_bandwidth_probe, rmsnorm,
                            rope, sum_chunks)
@@ -42,12 +42,12 @@ from fast.cpu.matmul import MATMUL_CHUNKS, matmul  # noqa: E402
 from fast.cpu.step import StepLayer, decode_step  # noqa: E402
 from fast.cpu.thin import kept_py, sparse_rows, sparse_rows_chunk, thin, thin_activations  # noqa: E402
 
-__all__ = ["BLOCKS", "CATS", "FASTMATH", "KINDS", "KV_AHEAD", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "activation",
+__all__ = ["BLOCK", "BLOCKS", "CATS", "FASTMATH", "KINDS", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "activation",
            "activation_py", "activations", "add_bias", "attend", "attention", "attention_block", "causal_logits",
-           "copy_rows", "decode_attention", "decode_attention_block", "decode_attention_token", "decode_step",
+           "copy_rows", "decode_attention", "decode_attention_block", "decode_step",
            "dense_down", "dense_ffn_block", "embed", "exp_le0", "ffn_batch_block", "ffn_block", "ffn_neurons",
-           "gather_values", "kept_py", "layernorm", "masked_activation", "matmul", "norm", "normalize_rows", "predicted_set",
+           "gather_values", "kept_py", "layernorm", "masked_activation", "matmul", "merge_items", "norm", "normalize_rows", "predicted_set",
            "predictor", "prefetch", "prefetch_row", "prefetch_rows", "qk_norm", "qkv_proj", "read_bandwidth_probe",
-           "relu_", "rmsnorm", "rope", "round_q8_0", "self_attention", "sparse_ffn", "sparse_ffn_batch",
-           "sparse_ffn_batch_chunk", "sparse_ffn_chunk", "sparse_rows", "sparse_rows_chunk", "sum_chunks", "thin",
+           "relu_", "rmsnorm", "rope", "round_q8_0", "self_attention", "SPLIT", "sparse_ffn", "sparse_ffn_batch",
+           "sparse_ffn_batch_chunk", "sparse_ffn_chunk", "sparse_rows", "sparse_rows_chunk", "store_kv", "sum_chunks", "thin",
            "thin_activations", "union_mask"]

@@ -1,6 +1,11 @@
 """Attention: one sequence's run (attention, self_attention, attention_block), one new token of each of several
 sequences (decode_attention, decode_attention_block); causal_logits and normalize_rows for fast.blas's prompt
-attention."""
+attention.
+
+The cache is head-major (ref.common.batch.KVCache): a kv head's positions are contiguous. A query's positions are
+cut into work items of SPLIT per kv head, each an online softmax over blocks of BLOCK (attend), merged in order
+(merge): the cost is one pass over the keys and values at any depth, and a long context's items spread over the
+threads even for one token."""
 
 import math
 
@@ -10,11 +15,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from fast.quant import n_rows
-from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, prefetch, prefetch_row, rope
+from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, rope
 from fast.cpu.matmul import matmul
-
-
-KV_AHEAD = 16  # positions
 
 
 @intrinsic
@@ -45,82 +47,167 @@ def exp_le0(x):
     return p * bits_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+
+
+# Positions per work item of attention: each item's softmax over its share is partial, and a serial merge combines a
+# query's items in order. A fixed length, so a query's result depends on its position only, not on the thread count
+# or on what else the step computes; short contexts are one item per kv head.
+SPLIT = 512
+BLOCK = 64  # positions per pass of the online softmax: a group's scores [G, BLOCK] stay in L1
+NONE = np.float32(-3.0e38)  # the running max before any score: finite, as fastmath assumes (exp_le0 of it is ~0)
+
+
+@njit(inline="always")
+def n_splits(n):
+    """The work items of a query that sees n positions, per kv head."""
+    return max(1, (n + SPLIT - 1) // SPLIT)
+
+
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def attend(out, q, k, v, kv, n, scores):
-    """out[g] = softmax(q[g] k[:n, kv]^T / sqrt(E)) v[:n, kv] for the G query heads that read kv head kv (GQA's
-    group): each key and value row is loaded once for the G of them, where a head at a time read the cache G times.
-    Float32 throughout; four positions per pass over a head's E lanes (four dot products in flight; one load and
-    store of the output row for four value rows), the exponentials in one vectorised pass per head (exp_le0).
-    Rows KV_AHEAD positions on are hinted into the cache: a kv head's rows are K E floats apart, which the hardware prefetcher does not follow.
-    out, q: [G, E]; k, v: [S, K, E]; scores: [G, >= n] scratch."""
+def attend(acc, ml, q, k, v, s0, s1):
+    """The online softmax of one kv head's positions s0..s1 for the G query heads that read it (GQA's group):
+    acc[g] = sum_s p_gs v[s] and ml[g] = (m_g, l_g), p_gs = exp(q[g] . k[s] / sqrt(E) - m_g) with m_g the largest
+    scaled score and l_g = sum_s p_gs (merge turns partials into the softmax).
+
+    Per block of BLOCK positions: the scores, four positions per pass over a head's E lanes (each key row loaded once
+    for the G heads); the running max, sum and acc rescaled where the max rises; the exponentials in one vectorised
+    pass (exp_le0); the values, four rows per load and store of acc. A head's rows are contiguous (the cache is
+    head-major), so the reads are two forward streams.  acc, q: [G, E]; ml: [G, 2]; k, v: [>= s1, E]."""
     G, E = q.shape
-    K = k.shape[1]
     scale = np.float32(1.0 / math.sqrt(E))
-    for s in range(0, n, 4):
-        for a in range(s + KV_AHEAD, min(s + KV_AHEAD + 4, n)):
-            for off in range(0, 4 * E, 64):
-                prefetch(k, (a * K + kv) * E, off)
-        if s + 4 <= n:
+    scores = np.empty((G, BLOCK), np.float32)
+    for g in range(G):
+        ml[g, 0], ml[g, 1] = NONE, 0.0
+        for e in range(E):
+            acc[g, e] = 0.0
+    for b0 in range(s0, s1, BLOCK):
+        nb = min(BLOCK, s1 - b0)
+        for j in range(0, nb - 3, 4):
+            s = b0 + j
             for g in range(G):
                 a0 = a1 = a2 = a3 = np.float32(0.0)
                 for e in range(E):
                     qe = q[g, e]
-                    a0 += qe * k[s, kv, e]
-                    a1 += qe * k[s + 1, kv, e]
-                    a2 += qe * k[s + 2, kv, e]
-                    a3 += qe * k[s + 3, kv, e]
-                scores[g, s], scores[g, s + 1], scores[g, s + 2], scores[g, s + 3] = a0, a1, a2, a3
-        else:
-            for t in range(s, n):
-                for g in range(G):
-                    acc = np.float32(0.0)
-                    for e in range(E):
-                        acc += q[g, e] * k[t, kv, e]
-                    scores[g, t] = acc
+                    a0 += qe * k[s, e]
+                    a1 += qe * k[s + 1, e]
+                    a2 += qe * k[s + 2, e]
+                    a3 += qe * k[s + 3, e]
+                scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3] = a0, a1, a2, a3
+        for j in range(nb - nb % 4, nb):
+            for g in range(G):
+                a0 = np.float32(0.0)
+                for e in range(E):
+                    a0 += q[g, e] * k[b0 + j, e]
+                scores[g, j] = a0
+        for g in range(G):
+            m = ml[g, 0]
+            for j in range(nb):
+                scores[g, j] *= scale
+                m = max(m, scores[g, j])
+            if m > ml[g, 0]:  # rescale what the earlier blocks summed
+                c = exp_le0(ml[g, 0] - m)
+                ml[g, 0], ml[g, 1] = m, ml[g, 1] * c
+                for e in range(E):
+                    acc[g, e] *= c
+            total = np.float32(0.0)
+            for j in range(nb):
+                p = exp_le0(scores[g, j] - m)
+                scores[g, j] = p
+                total += p
+            ml[g, 1] += total
+        for j in range(0, nb - 3, 4):
+            s = b0 + j
+            for g in range(G):
+                p0, p1, p2, p3 = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3]
+                for e in range(E):
+                    acc[g, e] += p0 * v[s, e] + p1 * v[s + 1, e] + p2 * v[s + 2, e] + p3 * v[s + 3, e]
+        for j in range(nb - nb % 4, nb):
+            for g in range(G):
+                p0 = scores[g, j]
+                for e in range(E):
+                    acc[g, e] += p0 * v[b0 + j, e]
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def merge(out, acc, ml, first, count):
+    """out[g] = the softmax's weighted values from `count` partials acc[first + j], ml[first + j] (attend): each
+    rescaled to the largest max, out = sum_j c_j acc_j / sum_j c_j l_j, c_j = exp(m_j - m).  out: [G, E]."""
+    G, E = out.shape
     for g in range(G):
-        m = np.float32(-np.inf)
-        for s in range(n):
-            m = max(m, scores[g, s])
+        m = NONE
+        for j in range(first, first + count):
+            m = max(m, ml[j, g, 0])
         total = np.float32(0.0)
-        for s in range(n):
-            p = exp_le0((scores[g, s] - m) * scale)
-            scores[g, s] = p
-            total += p
-        inv = np.float32(1.0) / total
-        for s in range(n):
-            scores[g, s] *= inv
         for e in range(E):
             out[g, e] = 0.0
-    for s in range(0, n, 4):  # value rows accumulated whole: v[s] is contiguous, v[:, e] strided
-        for a in range(s + KV_AHEAD, min(s + KV_AHEAD + 4, n)):
-            for off in range(0, 4 * E, 64):
-                prefetch(v, (a * K + kv) * E, off)
-        if s + 4 <= n:
-            for g in range(G):
-                p0, p1, p2, p3 = scores[g, s], scores[g, s + 1], scores[g, s + 2], scores[g, s + 3]
-                for e in range(E):
-                    out[g, e] += p0 * v[s, kv, e] + p1 * v[s + 1, kv, e] + p2 * v[s + 2, kv, e] + p3 * v[s + 3, kv, e]
-        else:
-            for t in range(s, n):
-                for g in range(G):
-                    p = scores[g, t]
-                    for e in range(E):
-                        out[g, e] += p * v[t, kv, e]
+        for j in range(first, first + count):
+            c = exp_le0(ml[j, g, 0] - m)
+            total += c * ml[j, g, 1]
+            for e in range(E):
+                out[g, e] += c * acc[j, g, e]
+        inv = np.float32(1.0) / total
+        for e in range(E):
+            out[g, e] *= inv
+
+
+@njit(inline="always")
+def split_items(items, n, K):
+    """items[t + 1] = items[t] + K n_splits(n[t]): query t's work items are items[t]..items[t + 1], kv head by kv
+    head, each head's n_splits(n[t]) in turn."""
+    items[0] = 0
+    for t in range(len(n)):
+        items[t + 1] = items[t] + K * n_splits(n[t])
+
+
+@njit(inline="always")
+def item(items, n, K, i):
+    """Work item i (split_items) as (query t, kv head, first position, end position)."""
+    t = np.searchsorted(items, i, side="right") - 1
+    ns = n_splits(n[t])
+    j = (i - items[t]) % ns
+    return t, (i - items[t]) // ns, j * SPLIT, min(n[t], (j + 1) * SPLIT)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-def attention(out, q, k, v, pos0, scores):
-    """Causal softmax(q k^T / sqrt(E)) v; query head h reads kv head h // (H/K).
-
-    out, q: [T, H, E]; k, v: [S, K, E] (positions 0..S-1); scores: [T*H, S] scratch, one row per (t, h).
-    """
-    T, H, E = q.shape
-    S, K = k.shape[0], k.shape[1]
-    G = H // K
+def merge_items(out, acc, ml, items, n):
+    """out[t, h] = query t's head h from its work items' partials (merge).  out: [T, H, E]."""
+    T, H = out.shape[0], out.shape[1]
+    G = acc.shape[1]
+    K = H // G
     for tk in prange(T * K):
         t, kv = tk // K, tk % K
-        attend(out[t, kv * G:(kv + 1) * G], q[t, kv * G:(kv + 1) * G], k, v, kv, min(S, pos0 + t + 1),
-               scores[t * H + kv * G:t * H + (kv + 1) * G])
+        ns = n_splits(n[t])
+        merge(out[t, kv * G:(kv + 1) * G], acc, ml, items[t] + kv * ns, ns)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def attention(out, q, k, v, pos0):
+    """Causal softmax(q k^T / sqrt(E)) v; query head h reads kv head h // (H/K); query t at position pos0 + t.
+
+    Each query's kv heads' positions in items of SPLIT (attend) in parallel, then each query's items merged in order.
+    out, q: [T, H, E]; k, v: [K, S, E] (positions 0..S-1; a query sees those up to its own, so S may be a slot's
+    whole room)."""
+    T, H, E = q.shape
+    K, S = k.shape[0], k.shape[1]
+    G = H // K
+    n = np.minimum(S, pos0 + np.arange(T) + 1)  # [T] positions each query sees
+    items = np.empty(T + 1, np.int64)
+    split_items(items, n, K)
+    acc, ml = np.empty((items[T], G, E), np.float32), np.empty((items[T], G, 2), np.float32)
+    for i in prange(items[T]):
+        t, kv, s0, s1 = item(items, n, K, i)
+        attend(acc[i], ml[i], q[t, kv * G:(kv + 1) * G], k[kv], v[kv], s0, s1)
+    merge_items(out, acc, ml, items, n)
+
+
+@njit(inline="always")
+def store_kv(cache, x, pos0):
+    """cache[:, pos0 + t] = x[t]: a run's keys or values into a head-major slot.  cache: [K, room, E]; x: [T, K, E]."""
+    for t in range(x.shape[0]):
+        for kv in range(x.shape[1]):
+            for e in range(x.shape[2]):
+                cache[kv, pos0 + t, e] = x[t, kv, e]
+
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def causal_logits(s, T, pos0, scale):
@@ -159,13 +246,13 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo
     """out = wo . attention(rope(q), rope(k), v) + bo, [q; k; v] = wqkv . norm(h) + bqkv (each head's q and k
     RMS-normed where qk_norms has rows: qk_norm), for one sequence's run; this step's keys and values are written to
     its caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D]; wo: [D, H E]; k_cache, v_cache:
-    [room, K, E]; norm and biases as `norm`, `add_bias` take them.
+    [K, room, E]; norm and biases as `norm`, `add_bias` take them.
 
     One compiled call per layer instead of six calls from Python and the numpy glue between them: once a token's
     weights have streamed through the caches, every Python-side step runs from memory (an empty parallel kernel
     called from Python: 2 us warm, 17 us after a read pass)."""
     T = h.shape[0]
-    K, E = k_cache.shape[1], k_cache.shape[2]
+    K, E = k_cache.shape[0], k_cache.shape[2]
     qkv = np.empty((T, n_rows(wqkv)), np.float32)
     qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
     qk_norm(qkv, qk_norms, K, eps)
@@ -206,67 +293,61 @@ def qk_norm(qkv, norms, K, eps):
 @njit(cache=True, nogil=True)
 def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     """att = attention(rope(q), rope(k), v) of one sequence's run at positions pos0..pos0+T-1, its keys and values
-    appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache: [room, K, E]."""
+    appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache: [K, room, E]."""
     T = qkv.shape[0]
-    K, E = k_cache.shape[1], k_cache.shape[2]
+    K, E = k_cache.shape[0], k_cache.shape[2]
     H = qkv.shape[1] // E - 2 * K
     q = np.ascontiguousarray(qkv[:, : H * E]).reshape((T, H, E))  # [T, H, E]
     k = np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape((T, K, E))  # [T, K, E]
     rope(q, q, cos, sin, pos0)
-    rope(k_cache[pos0:pos0 + T], k, cos, sin, pos0)
-    for t in range(T):
-        copy_rows(v_cache[pos0 + t], qkv[t, (H + K) * E:].reshape((K, E)))
+    rope(k, k, cos, sin, pos0)
+    store_kv(k_cache, k, pos0)
+    store_kv(v_cache, np.ascontiguousarray(qkv[:, (H + K) * E:]).reshape((T, K, E)), pos0)
     out = np.empty((T, H, E), np.float32)
-    attention(out, q, k_cache[: pos0 + T], v_cache[: pos0 + T], pos0, np.empty((T * H, pos0 + T), np.float32))
+    attention(out, q, k_cache, v_cache, pos0)  # whole slots (C-contiguous rows: vectorised); a query reads up to itself
     copy_rows(att, out.reshape((T, H * E)))
-
-
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
-def decode_attention_token(att_t, qkv, k_caches, v_caches, seqs, positions, cos, sin, t):
-    """decode_attention's token t (one worker's share).  att_t: [H E]."""
-    kc, vc, p = k_caches[seqs[t]], v_caches[seqs[t]], positions[t]
-    if t + 1 < qkv.shape[0]:
-        kn, vn = k_caches[seqs[t + 1]], v_caches[seqs[t + 1]]
-        span = positions[t + 1] * kn.shape[1] * kn.shape[2] * kn.itemsize
-        prefetch_row(kn, 0, 0, span)
-        prefetch_row(vn, 0, 0, span)
-    K, E = kc.shape[1], kc.shape[2]
-    H = qkv.shape[1] // E - 2 * K
-    q = np.empty((1, H, E), np.float32)
-    rope(q, qkv[t, : H * E].reshape((1, H, E)), cos, sin, p)
-    rope(kc[p:p + 1], qkv[t, H * E:(H + K) * E].reshape((1, K, E)), cos, sin, p)
-    copy_rows(vc[p], qkv[t, (H + K) * E:].reshape((K, E)))
-    G = H // K
-    scores = np.empty((G, p + 1), np.float32)
-    out = att_t.reshape((H, E))
-    for kv in range(K):
-        attend(out[kv * G:(kv + 1) * G], q[0, kv * G:(kv + 1) * G], kc, vc, kv, p + 1, scores)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
     """self_attention for T sequences' one new token each, in one call: token t of sequence seqs[t] at positions[t]
     appends its key and value to that sequence's caches and attends to them.  att: [T, H E]; qkv: [T, (H + 2K) E];
-    k_caches, v_caches: typed lists of every slot's [room, K, E] arrays.
+    k_caches, v_caches: typed lists of every slot's [K, room, E] arrays.
 
-    One call per layer instead of one per sequence (13 us each); tokens in parallel, each token's kv heads in turn
-    (attend: a group's query heads together). A worker hints the next token's cached keys and values while it runs
-    one: the slots are in no cache by the next step."""
+    One call per layer instead of one per sequence (13 us each): every token's kv heads' work items (attention's) in
+    one parallel loop, then the merges."""
     T = qkv.shape[0]
-    for t in prange(T):
-        decode_attention_token(att[t], qkv, k_caches, v_caches, seqs, positions, cos, sin, np.int64(t))
+    K, E = k_caches[seqs[0]].shape[0], k_caches[seqs[0]].shape[2]
+    H = qkv.shape[1] // E - 2 * K
+    G = H // K
+    q = np.empty((T, H, E), np.float32)
+    k = np.empty((1, K, E), np.float32)
+    for t in range(T):
+        p = positions[t]
+        rope(q[t:t + 1], qkv[t, : H * E].reshape((1, H, E)), cos, sin, p)
+        rope(k, qkv[t, H * E:(H + K) * E].reshape((1, K, E)), cos, sin, p)
+        store_kv(k_caches[seqs[t]], k, p)
+        store_kv(v_caches[seqs[t]], qkv[t, (H + K) * E:].reshape((1, K, E)), p)
+    n = positions + 1  # [T] positions each token sees
+    items = np.empty(T + 1, np.int64)
+    split_items(items, n, K)
+    acc, ml = np.empty((items[T], G, E), np.float32), np.empty((items[T], G, 2), np.float32)
+    for i in prange(items[T]):
+        t, kv, s0, s1 = item(items, n, K, i)
+        attend(acc[i], ml[i], q[t, kv * G:(kv + 1) * G], k_caches[seqs[t]][kv], v_caches[seqs[t]][kv], s0, s1)
+    merge_items(att.reshape((T, H, E)), acc, ml, items, n)
 
 
 @njit(cache=True, nogil=True)
 def decode_attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_caches, v_caches, seqs,
                            positions, cos, sin, eps):
     """attention_block for T sequences' one new token each (decode_attention), as one compiled call: token t of
-    sequence seqs[t] at positions[t].  out, h: [T, D]; k_caches, v_caches: typed lists of every slot's [room, K, E].
+    sequence seqs[t] at positions[t].  out, h: [T, D]; k_caches, v_caches: typed lists of every slot's [K, room, E].
 
     One compiled call instead of four calls from Python and the numpy glue between them per layer (with
     ffn_batch_block likewise, the shipped model's 16-sequence step 6 % faster)."""
     T = h.shape[0]
-    K, E = k_caches[seqs[0]].shape[1], k_caches[seqs[0]].shape[2]
+    K, E = k_caches[seqs[0]].shape[0], k_caches[seqs[0]].shape[2]
     qkv = np.empty((T, n_rows(wqkv)), np.float32)  # [T, (H + 2K) E]
     qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
     qk_norm(qkv, qk_norms, K, eps)

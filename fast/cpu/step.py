@@ -15,7 +15,7 @@ from fast.cpu.ffn import ffn_batch_block, ffn_block, predicted_set, predictor
 # One layer of a decode step as cpu.decode_step reads it (fast.engine.Engine.step_rows builds a typed list of them):
 # the norms' weights and biases before attention, before the FFN, after attention and after the FFN (EMPTY where the
 # block has none), the matrices and biases, the predictor (fc1, fc2: no rows where there is none), and the layer's
-# key and value slots (typed lists: [seq] -> [room, K, E]).
+# key and value slots (typed lists: [seq] -> [K, room, E]).
 StepLayer = namedtuple("StepLayer", ["attn_w", "attn_b", "ffn_w", "ffn_b", "post_attn_w", "post_attn_b", "post_ffn_w",
                                      "post_ffn_b", "wqkv", "bqkv", "qk_norms", "wo", "bo", "bundle", "bu", "bd", "fc1",
                                      "fc2",

@@ -5,6 +5,8 @@ Every engine's `forward(batch, cache)` takes these. A batch is one or more runs,
 position order continuing what its slot holds (a prompt chunk, or one decode token), in consecutive rows; each
 sequence is computed as if it were alone. A slot's arrays grow with what it holds (doubling, up to the capacity),
 so the cache's memory follows the tokens the sequences hold, not slots x context.
+A slot's keys and values are head-major, [K, R, E]: each key-value head's positions are contiguous, so decode
+attention streams one run of memory per head.
 Dimensions: N batch tokens, L layers, C capacity per slot (the context size), R a slot's room, K key-value heads,
 E head dim.
 """
@@ -30,7 +32,7 @@ def host_copy(dst, src):
 
 @dataclass
 class KVCache:
-    """Keys and values per layer and slot, k[l][s] and v[l][s] each [R_s, K, E] (a host array, or a device array where
+    """Keys and values per layer and slot, k[l][s] and v[l][s] each [K, R_s, E] (a host array, or a device array where
     layer l's attention runs on the GPU; None while slot s holds nothing), each slot's length and whether it is
     allocated. `alloc(shape, dtype, l)` makes layer l's arrays and `copy(dst, src)` moves a slot's keys when it grows.
     """
@@ -84,18 +86,33 @@ class KVCache:
         """Room for n positions in slot `seq`: its arrays grow (doubling, at least MIN_ROOM, at most the capacity) and
         keep what they hold."""
         held = self.k[0][seq]
-        room = 0 if held is None else held.shape[0]
+        room = 0 if held is None else held.shape[1]
         if n <= room:
             return
         room = min(self.capacity, max(n, 2 * room, MIN_ROOM))
         length = int(self.lengths[seq])
         for l in range(len(self.k)):
             for arrays in (self.k[l], self.v[l]):
-                new = self.alloc((room, *self.shape), self.dtype, l)
-                if length:
-                    self.copy(new[:length], arrays[seq][:length])
+                K, E = self.shape
+                new = self.alloc((K, room, E), self.dtype, l)
+                for kv in range(K if length else 0):  # a head's positions at a time: each copy contiguous
+                    self.copy(new[kv, :length], arrays[seq][kv, :length])
                 arrays[seq] = new
         self.version += 1
+
+    def shift(self, seq: int, keep: int, discard: int, rotate) -> None:
+        """llama.cpp's context shift of slot `seq` (host arrays): positions keep..keep+discard-1 dropped, the later
+        ones moved down by `discard`, each layer's moved keys passed through rotate(keys [K, m, E]) -> [K, m, E]
+        (RoPE's rotation back by `discard` positions); the slot then holds `discard` positions fewer."""
+        self.check_slot(seq)
+        n = int(self.lengths[seq])
+        if keep < 0 or discard < 1 or keep + discard > n:
+            raise UserError(f"sequence {seq}: cannot drop {discard} positions after the first {keep} of {n}")
+        for l in range(len(self.k)):
+            k, v = self.k[l][seq], self.v[l][seq]  # [K, room, E]
+            k[:, keep:n - discard] = rotate(k[:, keep + discard:n])
+            v[:, keep:n - discard] = v[:, keep + discard:n].copy()  # overlapping ranges: through a copy
+        self.lengths[seq] = n - discard
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,7 @@ from ref.common.artifacts import check_sparsity
 from ref.common.errors import Terminated, UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c, terminate
 from ref.common.formats import FORMATS
 from ref.common.gguf_io import is_gguf
-from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate
+from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate, shift_keep
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-relu-llama"
 DEFAULT_PROMPT = "once upon a time"
@@ -43,6 +43,8 @@ class Generation:
     ctx_size: int
     batch_size: int
     ignore_eos: bool
+    context_shift: bool
+    keep: int
 
     def check(self) -> "Generation":
         """The flags checked, the model folder resolved (MODEL_DIR or -m), the prompt read (-p or -f)."""
@@ -52,6 +54,8 @@ class Generation:
             raise UserError(f"-s/--seed must be >= 0, or -1 (random), got {self.seed}")
         if self.batch_size < 1:
             raise UserError(f"-b/--batch-size must be >= 1, got {self.batch_size}")
+        if self.keep < -1:
+            raise UserError(f"--keep must be >= 0, or -1 (the whole prompt), got {self.keep}")
         self.model_dir = resolve_model(self.model_dir, self.model)
         if self.prompt is not None and self.prompt_file is not None:
             raise UserError("-p/--prompt and -f/--file both give a prompt: pass one")
@@ -66,7 +70,8 @@ class Generation:
         """The keyword arguments of `generate` these flags set."""
         return dict(temperature=self.temp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
-                    ctx_size=self.ctx_size or None, ignore_eos=self.ignore_eos, batch_size=self.batch_size)
+                    ctx_size=self.ctx_size or None, ignore_eos=self.ignore_eos, batch_size=self.batch_size,
+                    context_shift=self.context_shift, keep=self.keep)
 
 
 GENERATION_FLAGS = [
@@ -90,6 +95,10 @@ GENERATION_FLAGS = [
     click.option("-b", "--batch-size", default=512, show_default=True, type=int,
                  help="Prompt tokens per forward pass (each weight read once per batch)."),
     click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-text token."),
+    click.option("--context-shift", is_flag=True,
+                 help="When the context fills, drop half of the tokens after --keep and go on (llama.cpp's)."),
+    click.option("--keep", default=0, show_default=True, type=int,
+                 help="Tokens of the prompt a context shift keeps (-1: all of it)."),
 ]
 
 
@@ -177,7 +186,9 @@ def generate_session(engine, tok, gen: Generation, load_seconds: float, about: s
     """llama.cpp's session: the seed line, the prompt and the text as it comes, why it stopped (` [end of text]` at
     EOS, a note at a full context), then the timing lines, also when Ctrl-C cuts it short."""
     ids = tok.encode(gen.prompt)
-    check_prompt(ids, engine.config, gen.ctx_size)
+    ctx = check_prompt(ids, engine.config, gen.ctx_size)
+    if gen.context_shift:
+        shift_keep(len(ids), ctx, gen.keep)
     seed = resolve_seed(gen.seed)
     click.echo(f"seed = {seed}{about}", err=True)
     click.echo(gen.prompt, nl=False)

@@ -46,6 +46,14 @@ def check_prompt(ids, cfg, ctx_size=None) -> int:
     return ctx
 
 
+def shift_keep(n_prompt: int, ctx: int, keep: int) -> int:
+    """The positions a context shift keeps (--keep of the prompt; -1: all of it); one must be left to drop."""
+    keep = min(n_prompt if keep < 0 else keep, n_prompt)
+    if (ctx - keep) // 2 < 1:
+        raise UserError(f"--keep {keep}: a context of {ctx} has no positions after them to drop (--context-shift)")
+    return keep
+
+
 def check_fits(n_tokens: int, ctx: int) -> None:
     if n_tokens > ctx:
         raise UserError(f"prompt of {n_tokens} tokens is longer than the context ({ctx})")
@@ -104,13 +112,16 @@ class Timings:
 
 def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
              seed=None, ctx_size=None, on_token=None, timings: Timings | None = None, repeat_last_n=REPEAT_LAST_N,
-             ignore_eos=False, batch_size=512, stop_ids=None) -> list[int]:
+             ignore_eos=False, batch_size=512, stop_ids=None, context_shift=False, keep=0) -> list[int]:
     """New token ids after the prompt `ids`; stops at EOS (any of `stop_ids`, default the config's; not returned;
     never with `ignore_eos`), after
-    `max_new_tokens` (-1: no limit), or when prompt and output fill the context. `timings.stop` says which.
+    `max_new_tokens` (-1: no limit), or when prompt and output fill the context. `timings.stop` says which. With
+    `context_shift` a full context does not stop it: the model's `shift` keeps the first `keep` positions (-1: the
+    prompt's) and drops half of the rest (llama.cpp's --context-shift, --keep).
 
-    `model` is any engine with `config`, `new_cache(capacity)` and `forward(batch, cache) -> logits [T, V]`; the
-    prompt goes through it `batch_size` tokens at a time (llama.cpp's -b).
+    `model` is any engine with `config`, `new_cache(capacity)`, `forward(batch, cache) -> logits [T, V]` (and
+    `shift(cache, seq, keep, discard)` for a context shift); the prompt goes through it `batch_size` tokens at a
+    time (llama.cpp's -b).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
     if batch_size < 1:
@@ -123,9 +134,10 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     if max_new_tokens == 0:
         timings.stop = "length"
         return []
-    limit = ctx - len(ids) if max_new_tokens < 0 else max_new_tokens
+    keep = shift_keep(len(ids), ctx, keep) if context_shift else 0
+    limit = (-1 if context_shift else ctx - len(ids)) if max_new_tokens < 0 else max_new_tokens
     rng = np.random.default_rng(seed)
-    cache = model.new_cache(min(ctx, len(ids) + limit))
+    cache = model.new_cache(ctx if limit < 0 else min(ctx, len(ids) + limit))
     t0 = time.perf_counter()
     for i in range(0, len(ids), batch_size):
         logits = model.forward(Batch.single(ids[i:i + batch_size], cache, last_only=True), cache)[-1]  # [V]
@@ -141,9 +153,12 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
             out.append(tok)
             if on_token is not None:
                 on_token(tok)
-            if len(ids) + len(out) == ctx or len(out) == limit:
-                timings.stop = "context" if len(ids) + len(out) == ctx else "length"
+            held = int(cache.lengths[0])  # `tok` goes to position `held`
+            if held + 1 == ctx and not context_shift or len(out) == limit:  # prompt and output fill the context
+                timings.stop = "context" if held + 1 == ctx and not context_shift else "length"
                 break
+            if held == ctx:
+                model.shift(cache, 0, keep, (held - keep) // 2)
             logits = model.forward(Batch.single([tok], cache), cache)[-1]
             timings.eval_tokens += 1
     finally:  # Ctrl-C too: the timing lines report what ran

@@ -210,6 +210,7 @@ def test_api_key_and_the_full_queue():
 
 @pytest.mark.parametrize("args, message", [
     (["-np", "0"], "error: -np/--parallel must be >= 1"),
+    (["--context-shift", "--keep", "-2"], "error: --keep must be >= 0, or -1 (the whole prompt), got -2"),
     (["-c", "99999"], "error: -c/--ctx-size 99999 exceeds the model's context of 512"),
     (["/nonexistent"], "error: MODEL_DIR /nonexistent: no such folder or file"),
     ([], "error: --host 127.0.0.1 --port {busy}: cannot listen there"),

@@ -84,7 +84,8 @@ def rope_tables_for(E, theta=500.0):
     from ref.common.config import ModelConfig
     from tests.helpers import SMALL_CONFIG
     return rope_tables(ModelConfig.from_dict({**SMALL_CONFIG, "hidden_size": 2 * E, "num_attention_heads": 2,
-                                              "num_key_value_heads": 2, "rope_theta": theta}))
+                                              "num_key_value_heads": 2, "rope_theta": theta,
+                                              "max_position_embeddings": 2048}))
 
 
 def case_rope(rng, T, h, E, pos0):
@@ -95,11 +96,19 @@ def case_rope(rng, T, h, E, pos0):
 
 
 def case_attention(rng, T, S, H, K, E):
-    q, kc, vc = randn(rng, T, H, E), randn(rng, S, K, E), randn(rng, S, K, E)
+    q, kc, vc = randn(rng, T, H, E), randn(rng, K, S, E), randn(rng, K, S, E)  # the cache head-major
     pos0 = S - T
-    out, scores = np.empty_like(q), np.empty((T * H, S), F32)
-    return (lambda k: (k.attention(out, q, kc, vc, pos0, scores), out)[1],
+    out = np.empty_like(q)
+    return (lambda k: (k.attention(out, q, kc, vc, pos0), out)[1],
             ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.arange(pos0, S)))
+
+
+def case_store_kv(rng, T, K, E, room, pos0):
+    """A run's keys into a head-major slot at pos0..pos0+T-1; the other positions untouched."""
+    cache, x = randn(rng, K, room, E), randn(rng, T, K, E)
+    want = cache.copy()
+    want[:, pos0:pos0 + T] = x.transpose(1, 0, 2)
+    return lambda k: (lambda c: (k.store_kv(c, x, pos0), c)[1])(cache.copy()), want
 
 
 def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_norm=False):
@@ -121,7 +130,8 @@ def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_nor
             q, k = ref_rmsnorm(q, f64(qk_norms[0]), 1e-5), ref_rmsnorm(k, f64(qk_norms[1]), 1e-5)
         pos = np.arange(pos0, pos0 + T)
         q, k = ref_rope(q, pos, 500.0), ref_rope(k, pos, 500.0)
-        keys, values = np.concatenate([f64(kc[:pos0]), k]), np.concatenate([f64(vc[:pos0]), v.reshape(T, K, E)])
+        keys = np.concatenate([f64(kc[:, :pos0]), k.transpose(1, 0, 2)], axis=1)  # [K, pos0 + T, E]
+        values = np.concatenate([f64(vc[:, :pos0]), v.reshape(T, K, E).transpose(1, 0, 2)], axis=1)
         return read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T + (bo if bias else 0)  # [T, D]
     return (w, wb, wqkv_b, bqkv, qk_norms, wo_b, bo, *rope_tables_for(E)), want
 
@@ -131,7 +141,7 @@ def case_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=Fals
     and attention; positions before S - T are cached."""
     h = randn(rng, T, D)
     (w, wb, wqkv, bqkv, qk_norms, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias, qk_norm)
-    kc, vc = randn(rng, S + 2, K, E), randn(rng, S + 2, K, E)  # capacity S + 2: the rows after S stay unread
+    kc, vc = randn(rng, K, S + 2, E), randn(rng, K, S + 2, E)  # capacity S + 2: the rows after S stay unread
     out = np.empty((T, D), F32)
     return (lambda k: (k.attention_block(out, h, w, wb, wqkv, bqkv, qk_norms, wo, bo, kc.copy(), vc.copy(), cos, sin,
                                          S - T, 1e-5), out)[1], want(h, kc, vc, S - T))
@@ -145,9 +155,9 @@ def case_decode_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bi
     (w, wb, wqkv, bqkv, qk_norms, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias, qk_norm)
     seqs = rng.permutation(T + 1)[:T].astype(np.int64)  # slot T + 1's one left free
     positions = rng.integers(0, S, T).astype(np.int64)
-    kcs, vcs = [randn(rng, S + 1, K, E) for _ in range(T + 1)], [randn(rng, S + 1, K, E) for _ in range(T + 1)]
+    kcs, vcs = [randn(rng, K, S + 1, E) for _ in range(T + 1)], [randn(rng, K, S + 1, E) for _ in range(T + 1)]
     free = next(s for s in range(T + 1) if s not in seqs)
-    kcs[free] = vcs[free] = np.zeros((0, K, E), F32)
+    kcs[free] = vcs[free] = np.zeros((K, 0, E), F32)
     out = np.empty((T, D), F32)
     return (lambda k: (k.decode_attention_block(out, h, w, wb, wqkv, bqkv, qk_norms, wo, bo, List([a.copy() for a in kcs]),
                                                 List([a.copy() for a in vcs]), seqs, positions, cos, sin, 1e-5), out)[1],
@@ -339,6 +349,7 @@ def case_union_mask(rng, T, F, share):
 
 CASES = {
     "rmsnorm": case_rmsnorm, "norm": case_norm, "add_bias": case_add_bias, "embed": case_embed, "matmul": case_matmul, "rope": case_rope, "attention": case_attention,
+    "store_kv": case_store_kv,
     "sparse_ffn": case_sparse_ffn, "predictor": case_predictor, "predicted_set": case_predicted_set, "union_mask": case_union_mask,
     "attention_block": case_attention_block, "ffn_block": case_ffn_block, "sparse_ffn_batch": case_sparse_ffn_batch,
     "dense_down": case_dense_down, "dense_ffn_block": case_dense_ffn_block, "thin": case_thin,
@@ -371,6 +382,10 @@ SHAPES = [
     ("attention", dict(T=3, S=10, H=4, K=4, E=8), False), ("attention", dict(T=1, S=1, H=8, K=1, E=4), False),
     ("attention", dict(T=1, S=11, H=4, K=2, E=4), True), ("attention", dict(T=3, S=3, H=2, K=2, E=8), True),
     ("attention", dict(T=300, S=310, H=4, K=2, E=8), False),  # fast.blas's query blocks, the last a tail
+    ("store_kv", dict(T=3, K=2, E=8, room=9, pos0=4), False), ("store_kv", dict(T=1, K=1, E=4, room=1, pos0=0), False),
+    ("store_kv", dict(T=2, K=3, E=4, room=7, pos0=5), True),
+    ("attention", dict(T=3, S=1100, H=4, K=2, E=8), False),  # several work items (SPLIT), blocks with a tail
+    ("attention", dict(T=1, S=1024, H=2, K=1, E=4), False),  # items and blocks without a tail
     ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu"), False),
     ("sparse_ffn", dict(F=77, D=19, n_active=77, kind="relu"), False),
     ("sparse_ffn", dict(F=100, D=33, n_active=1, kind="relu"), False),
@@ -445,6 +460,7 @@ SHAPES = [
     ("dense_ffn_block", dict(F=20, D=19, kind="relu", norm="layer"), False),
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),
+    ("decode_attention_block", dict(T=3, S=1300, H=4, K=2, E=8, D=19), False),  # tokens of one and several items
     ("decode_attention_block", dict(T=3, S=6, H=2, K=2, E=4, D=9, norm="layer", bias=True), False),
     ("decode_attention_block", dict(T=4, S=9, H=4, K=2, E=8, D=19, qk_norm=True), False),
     ("ffn_batch_block", dict(T=5, F=40, D=19, R=8, kind="relu"), False),

@@ -59,6 +59,21 @@ def test_host_cache_only_where_attention_runs_on_the_cpu(tiny):
     assert [isinstance(k[0], np.ndarray) for k in cache.k] == [False, True]
 
 
+def test_hybrid_context_shift_matches_ref(tiny):
+    """A context shift over a layer attending on the GPU (its slot through the host) and one on the CPU: the next
+    logits as ref's after the same shift."""
+    d, _, _ = tiny
+    hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
+    model = ref.load_model(d, predictors=d / "predictors.safetensors")
+    got = []
+    for m in (model, hybrid):
+        cache = m.new_cache(8)
+        m.forward(Batch.single([1, 5, 9, 2, 3, 7, 11, 4], cache), cache)
+        m.shift(cache, 0, 1, 3)
+        got.append(m.forward(Batch.single([6, 8], cache), cache))
+    assert_close(got[1], got[0], rtol=1e-4)
+
+
 def test_hybrid_batches_of_sequences_match_each_alone(tiny, monkeypatch):
     """Two sequences' prompts, then prefill beside decode, on slots that grow (room 2, then 4: keys copied on the
     device and on the host), as ref computes each sequence alone."""

@@ -130,6 +130,18 @@ def test_context_full_is_said(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["stop"] == "context"
 
 
+def test_context_shift_goes_on(tmp_path):
+    """--context-shift: 40 tokens from a 20-token context, the prompt's first 2 kept at each shift; a --keep that
+    leaves nothing to drop is one line."""
+    r = run("-p", "once upon a time", "-n", "40", "--temp", "0", "-c", "20", "--context-shift", "--keep", "2",
+            "--ignore-eos", "--json", tmp_path / "t.json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "t.json").read_text())
+    assert summary["generated"] == 40 and summary["stop"] == "length"
+    r = run("-p", "once upon a time", "-c", "6", "--context-shift", "--keep", "-1")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: --keep")
+
+
 # Not earlier: a Ctrl-C before the interpreter has started (its first ~0.1 s, more on a loaded machine) is the
 # interpreter's own business, not ours.
 @pytest.mark.parametrize("after", [0.4, 0.8])

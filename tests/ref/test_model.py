@@ -97,14 +97,14 @@ def test_rope_is_complex_rotation():
 def test_gqa_equals_repeated_kv_heads():
     rng = np.random.default_rng(2)
     T, H, K, E = 4, 6, 2, 5
-    q, k, v = rng.standard_normal((T, H, E)), rng.standard_normal((7, K, E)), rng.standard_normal((7, K, E))
+    q, k, v = rng.standard_normal((T, H, E)), rng.standard_normal((K, 7, E)), rng.standard_normal((K, 7, E))
     gqa = attention(q, k, v, np.arange(3, 7))
-    mha = attention(q, np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1), np.arange(3, 7))
+    mha = attention(q, np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0), np.arange(3, 7))
     assert_close(gqa, mha, rtol=1e-12)
     # Last query sees all 7 keys: plain softmax attention for head 0.
-    s = q[-1, 0] @ k[:, 0].T / np.sqrt(E)
+    s = q[-1, 0] @ k[0].T / np.sqrt(E)
     p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
-    assert_close(gqa[-1, 0], p @ v[:, 0], rtol=1e-12)
+    assert_close(gqa[-1, 0], p @ v[0], rtol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["relu", "fatrelu", "drelu"])
