@@ -244,12 +244,14 @@ class LlamaCpp:
 
     name = "llama.cpp"
 
-    def __init__(self, path, threads: int, n_ctx: int):
+    def __init__(self, path, threads: int, n_ctx: int, kv=("f16", "f16")):
         try:
             from llama_cpp import Llama
         except ImportError:
             raise UserError("--peer needs llama-cpp-python (pip install -e '.[peer]'; it compiles llama.cpp)") from None
+        k, v = (FORMATS[name] for name in kv)
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
+                         type_k=k.ggml_type, type_v=v.ggml_type, flash_attn=v.quantized,  # its quantized V needs it
                          verbose=False)
 
     def step(self, token: int) -> None:
@@ -337,12 +339,10 @@ def busy_cores(n: int):
             p.wait()
 
 
-def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0, depth: int = 0,
-                    kv_itemsize: int = 4) -> float:
+def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0, depth: int = 0) -> float:
     """Bytes a decode step reads: attention, the active neurons' FFN rows (bundles, or the dense layout's rows), the
     engine's predictors, lm_head; of matrices whose inputs are thinned (activation sparsity), the `kept` share of
-    their rows; and the keys and values of `depth` cached positions (`kv_itemsize` bytes each: float32 here,
-    llama.cpp's f16 2)."""
+    their rows; and the keys and values of `depth` cached positions in the engine's KV formats."""
     c, L0, selector = engine.config, engine.layers[0], engine.selector
     attn = L0.wqkv.nbytes + L0.wo.nbytes if L0.wqkv is not None else kept * (L0.wqkv_t.nbytes + L0.wo_t.nbytes)
     if L0.gate_up_t is not None:
@@ -350,7 +350,7 @@ def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0, de
     else:
         ffn = active_neurons * (L0.bundle.nbytes + (0 if L0.gate_up is None else L0.gate_up.nbytes)) / c.d_ffn
     pred = sum(a.nbytes + b.nbytes for a, b in zip(selector.fc1, selector.fc2)) if selector.predicts else 0
-    kv = 2 * depth * c.n_kv_heads * c.head_dim * kv_itemsize
+    kv = depth * c.n_kv_heads * sum(FORMATS[name].row_bytes(c.head_dim) for name in engine.kv_types)
     return c.n_layers * (attn + ffn + kv) + pred + engine.lm_head.nbytes
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from fast import cpu
 from fast.quant import layout_of
+from ref.quant import values
 
 F32 = np.float32
 MIN_TOKENS = 32  # tokens from which a step's products run here (measured crossover: between 8 and 64)
@@ -116,7 +117,8 @@ def qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps):
 
 def attention(out, q, k, v, pos0):
     """Same contract as fast.cpu.attention: causal softmax(q k^T / sqrt(E)) v per head, query head h reading kv
-    head h // (H / K), query t at position pos0 + t.  out, q: [T, H, E]; k, v: [K, S, E] (head-major).
+    head h // (H / K), query t at position pos0 + t.  out, q: [T, H, E]; k, v: [K, S, E / block] (head-major, in a
+    KV format: decoded once per call).
 
     Per block of QUERY_BLOCK queries and per kv head, one GEMM for its group's queries against the keys the block
     sees (none after its last query's position: the causal triangle's far side is never computed), the causal
@@ -125,6 +127,7 @@ def attention(out, q, k, v, pos0):
     T, H, E = q.shape
     K = k.shape[0]
     G = H // K
+    k, v = floats(k), floats(v)  # [K, S, E] float32
     heads = (lambda fn: split(lambda i, n: [fn(h) for h in range(i * K // n, (i + 1) * K // n)],
                               min(numba.get_num_threads(), K)))
     for t0 in range(0, T, QUERY_BLOCK):
@@ -143,17 +146,22 @@ def attention(out, q, k, v, pos0):
 def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     """Same contract as fast.cpu.self_attention."""
     T = qkv.shape[0]
-    K, E = k_cache.shape[0], k_cache.shape[2]
+    K, E = k_cache.shape[0], 2 * cos.shape[1]  # the head dim from the rope tables (a q8_0 slot holds E / 32)
     H = qkv.shape[1] // E - 2 * K
     q = np.ascontiguousarray(qkv[:, : H * E]).reshape(T, H, E)  # [T, H, E]
     k = np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape(T, K, E)  # [T, K, E]
     cpu.rope(q, q, cos, sin, pos0)
     cpu.rope(k, k, cos, sin, pos0)
-    k_cache[:, pos0:pos0 + T] = k.transpose(1, 0, 2)
-    v_cache[:, pos0:pos0 + T] = qkv[:, (H + K) * E:].reshape(T, K, E).transpose(1, 0, 2)
+    cpu.store_kv(k_cache, k, pos0)
+    cpu.store_kv(v_cache, np.ascontiguousarray(qkv[:, (H + K) * E:]).reshape(T, K, E), pos0)
     out = np.empty((T, H, E), F32)
     attention(out, q, k_cache[:, : pos0 + T], v_cache[:, : pos0 + T], pos0)
     att[:] = out.reshape(T, H * E)
+
+
+def floats(slot: np.ndarray) -> np.ndarray:
+    """A slot's keys or values [K, S, E] as float32 (decoded from f16, bf16 or q8_0: once per prompt chunk)."""
+    return slot if slot.dtype == F32 else values(slot)
 
 
 def predictor(out, hidden, h, fc1, fc2):

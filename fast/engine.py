@@ -217,6 +217,7 @@ class Decoder:
     """ref's contracts on top of an engine's `config`, `new_cache` and `forward(batch, cache)`."""
 
     compile_seconds = 0.0
+    kv_types = ("f32", "f32")  # the formats new caches store keys and values in (fast.load.set_kv_types)
 
     def logits(self, ids) -> np.ndarray:
         """Float32 logits [T, V] for a whole sequence from a fresh cache."""
@@ -292,7 +293,7 @@ class Engine(Decoder):
         return engine
 
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
-        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots)
+        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, formats=self.kv_types)
 
     def active_set(self, l: int, h: np.ndarray) -> np.ndarray:
         """Ids of the neurons layer l computes for one token h [D]: the selector's pick from the predictor run here."""
@@ -394,9 +395,9 @@ class Engine(Decoder):
         for the cache the engine last ran until its arrays change (KVCache.version)."""
         kept = self._slots
         if kept is None or kept[0]() is not cache or kept[1] != cache.version:
-            empty = np.zeros((cache.shape[0], 0, cache.shape[1]), F32)
-            lists = [tuple(List([a if a is not None else empty for a in arrays[l]]) for arrays in (cache.k, cache.v))
-                     for l in range(len(cache.k))]
+            empty = [np.zeros((cache.shape[0], 0, n), dtype) for n, dtype in map(cache.storage, cache.formats)]
+            lists = [tuple(List([a if a is not None else none for a in arrays[l]])
+                           for arrays, none in zip((cache.k, cache.v), empty)) for l in range(len(cache.k))]
             kept = self._slots = (weakref.ref(cache), cache.version, lists)
         return kept[2]
 

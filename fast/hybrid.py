@@ -161,7 +161,7 @@ class HybridEngine(Decoder):
                 dst[...] = src
             else:
                 dst.copy_to_device(src)
-        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, alloc, copy)
+        return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, alloc, copy, self.kv_types)
 
     def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
         """Decoder.shift, the slots of layers attending on the GPU through host copies (a shift is rare)."""

@@ -15,7 +15,8 @@ from placement.place import place, request
 from ref.common.artifacts import load_placement
 from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
-from ref.common.formats import Format, format_of
+from ref.common.batch import KV_DEFAULT, kv_format
+from ref.common.formats import FORMATS, Format, format_of
 from ref.common.names import expected_shapes
 from ref.activation_sparsity import sparsity_to_run
 from ref.sparse import EMBEDDED, predictors_to_run
@@ -37,12 +38,14 @@ GROUP = 64  # neurons per ILP group
 def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram_budget: float | None = None,
                 threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
                 type_: str | None = None, predictor_type: str | None = None, notice=None, sparsity: float | None = None,
-                sparsity_method: str = "teal", sparsity_file: Path | None = None) -> Decoder:
+                sparsity_method: str = "teal", sparsity_file: Path | None = None,
+                cache_types: tuple = (KV_DEFAULT, KV_DEFAULT)) -> Decoder:
     """The engine fast.run runs: weights as stored or in the format `type_` names, dense, or predictor-sparse with
     `predictors` (a file, loaded Predictors, or EMBEDDED; stored as ref.sparse.predictors_to_run says), with
     activation sparsity where `sparsity` asks (the model's calibration: ref.activation_sparsity); on `gpu`/`hybrid`,
-    placed on the card (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors).
-    Refuses what does not fit in memory before laying anything out. Compiles (or loads the cached) kernels with one
+    placed on the card (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors);
+    its caches store keys and values in `cache_types` (-ctk, -ctv). Refuses what does not fit in memory before
+    laying anything out. Compiles (or loads the cached) kernels with one
     warm-up token, timed as `compile_seconds`, calling notice(engine) first where they must compile."""
     if device not in DEVICES:
         raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
@@ -56,7 +59,8 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
                         f"accuracy twice (convert the original checkpoint instead)")
     ffn = predictors is None or (predictors == EMBEDDED and w.predictors is None)  # no predictors keep the FFN
     cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file, embedded=w.sparsity, ffn=ffn)
-    check_memory(path, w.config, fmt or stored)
+    kv = tuple(kv_format(name, flag, w.config.head_dim) for name, flag in zip(cache_types, ("-ctk", "-ctv")))
+    check_memory(path, w.config, fmt or stored, kv)
     engine = Engine.load(w, threads, fmt)
     run = None if predictors is None else predictors_to_run(engine.config, predictors, engine.file_predictors,
                                                             engine.format, predictor_threshold, predictor_type)
@@ -68,7 +72,18 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
     elif run is None and cut is None:
         dense_ffn(engine)
+    set_kv_types(engine, kv)
     engine.warm_up(notice)
+    return engine
+
+
+def set_kv_types(engine: Decoder, formats: tuple[Format, Format]) -> Decoder:
+    """The formats the engine's new caches store keys and values in; the layers attending on the GPU read f32
+    only."""
+    if getattr(engine, "n_gpu_layers", 0) and any(f.name != "f32" for f in formats):
+        raise UserError(f"-ctk {formats[0].name} -ctv {formats[1].name}: layers attending on the GPU keep their KV "
+                        f"cache in f32 (pass -ctk f32 -ctv f32, or --device cpu)")
+    engine.kv_types = tuple(f.name for f in formats)
     return engine
 
 
@@ -84,13 +99,14 @@ def memory_available() -> int:
     return 1 << 62  # unknown: do not refuse
 
 
-def check_memory(path, cfg, fmt: Format) -> None:
-    """Refuse, before loading, a model whose laid-out weights and KV cache exceed the memory available (instead of
-    the kernel killing the process half-way): the bytes it needs and the bytes there are."""
+def check_memory(path, cfg, fmt: Format, kv_formats: tuple = (FORMATS["f32"], FORMATS["f32"])) -> None:
+    """Refuse, before loading, a model whose laid-out weights and KV cache (a full context, in `kv_formats`) exceed
+    the memory available (instead of the kernel killing the process half-way): the bytes it needs and the bytes
+    there are."""
     shapes = expected_shapes(cfg)
     weights = sum(fmt.nbytes(s) if len(s) == 2 else 4 * s[0] for s in shapes.values())
     weights += fmt.nbytes(shapes["embed"]) if cfg.tie_word_embeddings and fmt.quantized else 0  # engine.tied_head
-    kv = 2 * cfg.n_layers * cfg.max_seq_len * cfg.n_kv_heads * cfg.head_dim * 4
+    kv = cfg.n_layers * cfg.max_seq_len * cfg.n_kv_heads * sum(f.row_bytes(cfg.head_dim) for f in kv_formats)
     need, have = weights + kv, memory_available()
     if need > have:
         raise UserError(f"{path}: needs {need / GiB:.1f} GiB of memory ({fmt.name} weights {weights / GiB:.1f} GiB, "

@@ -20,7 +20,8 @@ import numpy as np
 
 from fast.load import load_engine, say_compiling
 from ref.common.checkpoint import load_checkpoint
-from ref.common.cli import FORMAT_CHOICE, activation_sparsity_options, resolve_model, user_errors
+from ref.common.cli import (FORMAT_CHOICE, activation_sparsity_options, cache_types, kv_cache_options, resolve_model,
+                            user_errors)
 from ref.common.tokenizer import load_tokenizer
 from ref.profile import corpus_tokens
 from ref.sparse import default_predictors
@@ -63,9 +64,10 @@ def estimate(nll: np.ndarray) -> tuple[float, float]:
               help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer file's own]")
 @click.option("--predictor-type", type=FORMAT_CHOICE, default=None, help="Format to run the predictors in.")
 @activation_sparsity_options
+@kv_cache_options
 @user_errors
 def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predictors, predictor_type, sparsity,
-         sparsity_method, sparsity_file):
+         sparsity_method, sparsity_file, cache_type_k, cache_type_v):
     """Perplexity of MODEL_DIR (default: the shipped model) on a text file, scored as llama-perplexity scores it."""
     path = resolve_model(model_dir, model)
     if dense and predictors is not None:
@@ -83,12 +85,13 @@ def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predic
     n_chunks = len(tokens) // ctx if chunks < 0 else min(chunks, len(tokens) // ctx)
     engine = load_engine(path, predictors=predictors, threads=threads, type_=type_,
                          predictor_type=None if predictors is None else predictor_type, notice=say_compiling,
-                         sparsity=sparsity, sparsity_method=sparsity_method, sparsity_file=sparsity_file)
+                         sparsity=sparsity, sparsity_method=sparsity_method, sparsity_file=sparsity_file,
+                         cache_types=cache_types(cache_type_k, cache_type_v))
     kind = "predictor-sparse" if engine.selector.predicts else "dense"
     if sparsity:
         kind += f", activation sparsity {sparsity:g} ({sparsity_method})"
     click.echo(f"perplexity: {len(tokens):,} tokens, {n_chunks} chunks of {ctx}, scoring the second half of each; "
-               f"weights {engine.format.name}, FFN {kind}", err=True)
+               f"weights {engine.format.name}, KV cache {'/'.join(engine.kv_types)}, FFN {kind}", err=True)
     nll = []
     for i in range(n_chunks):
         nll.append(chunk_nll(engine, tokens[i * ctx:(i + 1) * ctx], tok.bos_id))

@@ -48,7 +48,8 @@ def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, pl
     engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
                          threads=threads, predictor_threshold=ffn.predictor_threshold, policy=policy, type_=type_,
                          predictor_type=ffn.predictor_type, notice=say_compiling, sparsity=ffn.sparsity,
-                         sparsity_method=ffn.sparsity_method, sparsity_file=ffn.sparsity_file)
+                         sparsity_method=ffn.sparsity_method, sparsity_file=ffn.sparsity_file,
+                         cache_types=gen.cache_types)
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     source = f"{model_dir}'s own" if predictors == EMBEDDED else predictors
@@ -56,7 +57,7 @@ def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, pl
     if ffn.sparsity:
         mode += f"; activation sparsity {ffn.sparsity:g} ({ffn.sparsity_method})"
     threads_line = f"{engine.threads} thread{'s' if engine.threads > 1 else ''}"
-    about = (f"; {threads_line}; weights {engine.format.name}; FFN {mode}; "
+    about = (f"; {threads_line}; weights {engine.format.name}; FFN {mode}; KV cache {'/'.join(engine.kv_types)}; "
              f"kernels ready in {engine.compile_seconds:.2f} s")
     out, timings = generate_session(engine, tok, gen, load_seconds, about)
     if json_file:

@@ -28,7 +28,8 @@ from fast.api import ApiError, Shape, check_messages, field, parse_json, parse_p
 from fast.chat import ChatTemplate, TemplateError, model_template
 from fast.guard import LARGE, MAX_BODY, BodyError, Guard, give_back_memory, head_deadline, host_names
 from fast.scheduler import Params, QueueFull, Request, Scheduler, ShuttingDown
-from ref.common.cli import FORMAT_CHOICE, activation_sparsity_options, resolve_model, user_errors
+from ref.common.cli import (FORMAT_CHOICE, activation_sparsity_options, cache_types, kv_cache_options, resolve_model,
+                            user_errors)
 from ref.common.errors import UserError
 
 PAGE = Path(__file__).with_name("chat.html")
@@ -359,6 +360,7 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
               help="When a slot's context fills, drop half of its tokens after --keep and go on (llama.cpp's).")
 @click.option("--keep", type=int, default=0, show_default=True,
               help="Tokens of each prompt a context shift keeps (-1: all of it).")
+@kv_cache_options
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a slot; beyond them the server answers 503 with Retry-After.")
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads [default: the idle cores].")
@@ -385,9 +387,9 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
 @click.option("--shutdown-timeout", type=float, default=10.0, show_default=True,
               help="On SIGINT or SIGTERM, seconds running requests may go on before they end with their final event.")
 @user_errors
-def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shift, keep, max_queue, threads, device,
-         type_, dense, predictors, vram_budget, sparsity, sparsity_method, sparsity_file, alias, api_key, api_key_file,
-         host_allow, cors, max_body, shutdown_timeout):
+def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shift, keep, cache_type_k, cache_type_v,
+         max_queue, threads, device, type_, dense, predictors, vram_budget, sparsity, sparsity_method, sparsity_file,
+         alias, api_key, api_key_file, host_allow, cors, max_body, shutdown_timeout):
     """Serve MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) over OpenAI's HTTP API."""
     try:
         import uvicorn
@@ -417,7 +419,8 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shif
     server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, host, host_allow,
                           int(max_body * 2**20), cors, context_shift, keep, device=device, predictors=default_predictors(path, predictors, dense),
                           threads=threads, type_=type_, vram_budget=vram_budget, sparsity=sparsity,
-                          sparsity_method=sparsity_method, sparsity_file=sparsity_file)
+                          sparsity_method=sparsity_method, sparsity_file=sparsity_file,
+                          cache_types=cache_types(cache_type_k, cache_type_v))
     scheduler = server.scheduler
     click.echo(f"loading {path} on the engine thread; serving http://{host}:{port} (/health is 503 until loaded)",
                err=True)

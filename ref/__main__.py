@@ -10,6 +10,7 @@ import click
 import numpy as np
 
 from ref import load_model
+from ref.common.batch import kv_format
 from ref.common.cli import Generation, Sparsity, generate_session, generation_options, sparsity_options, user_errors
 from ref.common.tokenizer import load_tokenizer
 from ref.sparse import default_predictors
@@ -29,11 +30,13 @@ def main(gen: Generation, ffn: Sparsity, use_f64):
     model = load_model(model_dir, default_predictors(model_dir, ffn.predictors, ffn.dense),
                        np.float64 if use_f64 else np.float32, ffn.predictor_threshold, ffn.predictor_type,
                        ffn.sparsity, ffn.sparsity_method, ffn.sparsity_file)
+    model.kv_types = tuple(kv_format(name, flag, model.config.head_dim).name
+                           for name, flag in zip(gen.cache_types, ("-ctk", "-ctv")))
     tok = load_tokenizer(model_dir)
     mode = f"sparse (threshold {model.selector.threshold})" if getattr(model, "selector", None) else "dense"
     if ffn.sparsity:
         mode += f"; activation sparsity {ffn.sparsity:g} ({ffn.sparsity_method})"
-    generate_session(model, tok, gen, time.perf_counter() - t0, f"; FFN {mode}")
+    generate_session(model, tok, gen, time.perf_counter() - t0, f"; FFN {mode}; KV cache {'/'.join(model.kv_types)}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from ref.common.errors import UserError
 from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits
 from ref.common.weights import Weights
-from ref.quant import input_values
+from ref.common.formats import Format
+from ref.quant import blocks, input_values, quantize, values
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -92,15 +93,28 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     return out
 
 
+def kv_store(x: np.ndarray, fmt: Format, dtype) -> np.ndarray:
+    """Keys or values x [..., E] as a cache in `fmt` holds them: rounded on write (f16, bf16), or rows of q8_0 blocks
+    [..., E / 32]; f32 keeps the model's dtype."""
+    return x.astype(dtype) if fmt.name == "f32" else blocks(quantize(x, fmt))
+
+
+def kv_values(b: np.ndarray, dtype) -> np.ndarray:
+    """What cached keys or values b [..., E / block] (kv_store) mean, in `dtype`."""
+    return b.astype(dtype) if b.dtype == dtype else values(b).astype(dtype)
+
+
 def shift_context(cfg: ModelConfig, cache: KVCache, seq: int, keep: int, discard: int) -> None:
     """Context shift (llama.cpp's): sequence `seq` forgets its positions keep..keep+discard-1 and its later ones
     move down by `discard`, their keys rotated back by as many positions (rope at -discard: a rotation composes, so
-    a key at p becomes one at p - discard); learned positions leave the keys as they are."""
-    def rotate(keys):  # [K, m, E]
+    a key at p becomes one at p - discard; stored again in the cache's format); learned positions leave the keys as
+    they are."""
+    def rotate(keys):  # [K, m, E / block]
         if cfg.positions != "rope":
             return keys.copy()
-        back = np.full(keys.shape[1], -discard)
-        return rope(keys.transpose(1, 0, 2), back, cfg.rope_theta, cfg.rope_scaling).transpose(1, 0, 2)
+        x = kv_values(keys, cache.dtype).transpose(1, 0, 2)  # [m, K, E]
+        x = rope(x, np.full(x.shape[0], -discard), cfg.rope_theta, cfg.rope_scaling)
+        return kv_store(x.transpose(1, 0, 2), cache.formats[0], cache.dtype)
     cache.shift(seq, keep, discard, rotate)
 
 
@@ -164,6 +178,7 @@ class Model:
     def __init__(self, config: ModelConfig, weights: Weights, dtype=np.float32):
         self.config, self.weights, self.dtype = config, weights, np.dtype(dtype)
         self.ffn_block = self.dense_ffn_block
+        self.kv_types = ("f32", "f32")  # the formats new caches store keys and values in (-ctk, -ctv)
 
     @staticmethod
     def load(path: str | Path, dtype=np.float32) -> "Model":
@@ -194,7 +209,8 @@ class Model:
         return x if name is None else self.norm(x, f"layers.{l}.{name}")
 
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> KVCache:
-        return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype, slots)
+        return KVCache.empty(self.config, capacity or self.config.max_seq_len, self.dtype, slots,
+                             formats=self.kv_types)
 
     def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
         shift_context(self.config, cache, seq, keep, discard)
@@ -241,9 +257,11 @@ class Model:
         att = np.empty_like(q)  # [T, H, E]
         for seq, a, b in batch.runs():
             s0, s1 = batch.positions[a], batch.positions[a] + b - a
-            keys, values = cache.k[l][seq], cache.v[l][seq]  # [K, room, E]
-            keys[:, s0:s1], values[:, s0:s1] = k[a:b].transpose(1, 0, 2), v[a:b].transpose(1, 0, 2)
-            att[a:b] = attention(q[a:b], keys[:, :s1], values[:, :s1], batch.positions[a:b])
+            keys, vals = cache.k[l][seq], cache.v[l][seq]  # [K, room, E / block]
+            keys[:, s0:s1] = kv_store(k[a:b].transpose(1, 0, 2), cache.formats[0], cache.dtype)
+            vals[:, s0:s1] = kv_store(v[a:b].transpose(1, 0, 2), cache.formats[1], cache.dtype)
+            att[a:b] = attention(q[a:b], kv_values(keys[:, :s1], self.dtype), kv_values(vals[:, :s1], self.dtype),
+                                 batch.positions[a:b])
         return self.linear(att.reshape(T, -1), f"layers.{l}.wo")  # [T, D]
 
     def ffn_gate_up(self, l: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

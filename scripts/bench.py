@@ -19,7 +19,8 @@ import numpy as np
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
                         dense_twin, overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, synthetic_predictors, thinned_twin)
-from ref.common.cli import FORMAT_CHOICE, user_errors
+from ref.common.batch import KV_FORMATS
+from ref.common.cli import FORMAT_CHOICE, cache_types, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.formats import FORMATS
 from ref.quant import predictor_format, predictors_beside, quantize_predictors
@@ -54,13 +55,17 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
 @click.option("--peer", "with_peer", is_flag=True,
               help="Also time llama.cpp (llama-cpp-python, the 'peer' extra) on a random GGUF of the same shape and format.")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
+@click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_FORMATS, case_sensitive=False),
+              default="f16", show_default=True, help="Every engine's KV cache format for keys (llama-bench's default).")
+@click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_FORMATS, case_sensitive=False),
+              default="f16", show_default=True, help="... for values.")
 @user_errors
 def main(shape, sparsity, activation_sparsity, layers, type_, predictor_type, threads, busy, tokens, depth, runs,
-         probe_gib, pp, sequences, with_peer, json_file):
+         probe_gib, pp, sequences, with_peer, json_file, cache_type_k, cache_type_v):
     """Dense and sparse decode tok/s, bytes per token and roofline fraction, side by side."""
     with busy_cores(busy):
         run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences,
-            with_peer, json_file, activation_sparsity, depth)
+            with_peer, json_file, activation_sparsity, depth, cache_types(cache_type_k, cache_type_v))
 
 
 def parse_sequences(text: str) -> list[int]:
@@ -74,7 +79,7 @@ def parse_sequences(text: str) -> list[int]:
 
 
 def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
-        json_file, activation_sparsity=None, depth=0):
+        json_file, activation_sparsity=None, depth=0, kv=("f16", "f16")):
     if not 0 <= sparsity < 1:
         raise click.UsageError("--sparsity must be in [0, 1)")
     if activation_sparsity is not None and not 0 < activation_sparsity < 1:
@@ -102,12 +107,14 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         engines["sparse"] = engine = thinned_twin(engines["dense"] if sparsity == 0 else engine, activation_sparsity,
                                                   ffn=sparsity == 0)
         kept = 1 - activation_sparsity
+    for e in engines.values():  # every engine's KV cache in -ctk/-ctv, as llama.cpp's
+        e.kv_types = kv
     probe = ReadProbe(probe_gib)
     with tempfile.TemporaryDirectory() as tmp:
         peer = None
         if with_peer:  # llama.cpp on a random GGUF of the same shape and format, timed token by token among ours
             random_gguf(cfg, engine.format, Path(tmp) / "peer.gguf")
-            peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, max(depth + tokens, pp) + 2)
+            peer = LlamaCpp(Path(tmp) / "peer.gguf", engine.threads, max(depth + tokens, pp) + 2, kv)
         held = {}  # each engine's cache after the --depth prompt, run once
         rounds = [bracketed_decode(engines, probe, tokens, r, peer, depth, held)
                   for r in range(runs + 1)][1:]  # round 0 compiles
@@ -119,7 +126,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     active = engine.selector.mean_active() if predicting else cfg.d_ffn  # neurons a sparse token computes
     nbytes = {"dense": bytes_per_token(engines["dense"], cfg.d_ffn, depth=depth),
               "sparse": bytes_per_token(engine, active, kept, depth)}
-    nbytes[LlamaCpp.name] = bytes_per_token(engines["dense"], cfg.d_ffn, depth=depth, kv_itemsize=2)  # dense, f16 KV
+    nbytes[LlamaCpp.name] = nbytes["dense"]  # the same dense model and KV formats
     seconds = {name: np.concatenate([r[name]["seconds"] for r in rounds]) for name in names}  # every token
     around = {name: np.concatenate([r[name]["around"] for r in rounds]) for name in names}  # its probe passes, GB/s
     tok_s = {name: [tokens / sum(r[name]["seconds"]) for r in rounds] for name in names}  # per round
@@ -188,7 +195,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
                + (f", {activation_sparsity:.0%} activation sparsity (TEAL)" if activation_sparsity else "") + "; "
                f"Python+dispatch overhead {overhead * 1e3:.2f} ms/token = {out['overhead_share_sparse']:.1%} of a sparse token")
     if peer:
-        click.echo("vs llama.cpp (dense, same shape and format, its KV cache f16 where ours is float32, same run; "
+        click.echo(f"vs llama.cpp (dense, same shape and format, KV cache {kv[0]}/{kv[1]} both, same run; "
                    "median of step-by-step token-time ratios): "
                    + ", ".join(f"{name} {r:.2f}x" for name, r in out["ratio_vs_llama_cpp"].items()))
     if json_file:

@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from fast.quant import n_rows
+from fast.quant import decoded, n_rows, store
 from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, rope
 from fast.cpu.matmul import matmul
 
@@ -72,32 +72,34 @@ def attend(acc, ml, q, k, v, s0, s1):
     Per block of BLOCK positions: the scores, four positions per pass over a head's E lanes (each key row loaded once
     for the G heads); the running max, sum and acc rescaled where the max rises; the exponentials in one vectorised
     pass (exp_le0); the values, four rows per load and store of acc. A head's rows are contiguous (the cache is
-    head-major), so the reads are two forward streams.  acc, q: [G, E]; ml: [G, 2]; k, v: [>= s1, E]."""
+    head-major), so the reads are two forward streams; rows in f16, bf16 or q8_0 are decoded a block at a time
+    (fast.quant.decoded).  acc, q: [G, E]; ml: [G, 2]; k, v: [>= s1, E / block] in the cache's formats."""
     G, E = q.shape
     scale = np.float32(1.0 / math.sqrt(E))
     scores = np.empty((G, BLOCK), np.float32)
+    kbuf, vbuf = np.empty((BLOCK, E), np.float32), np.empty((BLOCK, E), np.float32)  # decoded rows
     for g in range(G):
         ml[g, 0], ml[g, 1] = NONE, 0.0
         for e in range(E):
             acc[g, e] = 0.0
     for b0 in range(s0, s1, BLOCK):
         nb = min(BLOCK, s1 - b0)
+        kb = decoded(k, b0, nb, kbuf)  # [nb, E]
         for j in range(0, nb - 3, 4):
-            s = b0 + j
             for g in range(G):
                 a0 = a1 = a2 = a3 = np.float32(0.0)
                 for e in range(E):
                     qe = q[g, e]
-                    a0 += qe * k[s, e]
-                    a1 += qe * k[s + 1, e]
-                    a2 += qe * k[s + 2, e]
-                    a3 += qe * k[s + 3, e]
+                    a0 += qe * kb[j, e]
+                    a1 += qe * kb[j + 1, e]
+                    a2 += qe * kb[j + 2, e]
+                    a3 += qe * kb[j + 3, e]
                 scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3] = a0, a1, a2, a3
         for j in range(nb - nb % 4, nb):
             for g in range(G):
                 a0 = np.float32(0.0)
                 for e in range(E):
-                    a0 += q[g, e] * k[b0 + j, e]
+                    a0 += q[g, e] * kb[j, e]
                 scores[g, j] = a0
         for g in range(G):
             m = ml[g, 0]
@@ -115,17 +117,17 @@ def attend(acc, ml, q, k, v, s0, s1):
                 scores[g, j] = p
                 total += p
             ml[g, 1] += total
+        vb = decoded(v, b0, nb, vbuf)  # [nb, E]
         for j in range(0, nb - 3, 4):
-            s = b0 + j
             for g in range(G):
                 p0, p1, p2, p3 = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3]
                 for e in range(E):
-                    acc[g, e] += p0 * v[s, e] + p1 * v[s + 1, e] + p2 * v[s + 2, e] + p3 * v[s + 3, e]
+                    acc[g, e] += p0 * vb[j, e] + p1 * vb[j + 1, e] + p2 * vb[j + 2, e] + p3 * vb[j + 3, e]
         for j in range(nb - nb % 4, nb):
             for g in range(G):
                 p0 = scores[g, j]
                 for e in range(E):
-                    acc[g, e] += p0 * v[b0 + j, e]
+                    acc[g, e] += p0 * vb[j, e]
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -202,11 +204,11 @@ def attention(out, q, k, v, pos0):
 
 @njit(inline="always")
 def store_kv(cache, x, pos0):
-    """cache[:, pos0 + t] = x[t]: a run's keys or values into a head-major slot.  cache: [K, room, E]; x: [T, K, E]."""
+    """cache[:, pos0 + t] = x[t] stored in the cache's format (fast.quant.store): a run's keys or values into a
+    head-major slot.  cache: [K, room, E / block]; x: [T, K, E]."""
     for t in range(x.shape[0]):
         for kv in range(x.shape[1]):
-            for e in range(x.shape[2]):
-                cache[kv, pos0 + t, e] = x[t, kv, e]
+            store(cache[kv, pos0 + t], x[t, kv])
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
@@ -246,13 +248,13 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo
     """out = wo . attention(rope(q), rope(k), v) + bo, [q; k; v] = wqkv . norm(h) + bqkv (each head's q and k
     RMS-normed where qk_norms has rows: qk_norm), for one sequence's run; this step's keys and values are written to
     its caches at pos0..pos0+T-1.  out, h: [T, D]; wqkv: [(H + 2K) E, D]; wo: [D, H E]; k_cache, v_cache:
-    [K, room, E]; norm and biases as `norm`, `add_bias` take them.
+    [K, room, E / block]; norm and biases as `norm`, `add_bias` take them.
 
     One compiled call per layer instead of six calls from Python and the numpy glue between them: once a token's
     weights have streamed through the caches, every Python-side step runs from memory (an empty parallel kernel
     called from Python: 2 us warm, 17 us after a read pass)."""
     T = h.shape[0]
-    K, E = k_cache.shape[0], k_cache.shape[2]
+    K, E = k_cache.shape[0], 2 * cos.shape[1]  # the head dim from the rope tables (a q8_0 slot holds E / 32)
     qkv = np.empty((T, n_rows(wqkv)), np.float32)
     qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
     qk_norm(qkv, qk_norms, K, eps)
@@ -293,9 +295,9 @@ def qk_norm(qkv, norms, K, eps):
 @njit(cache=True, nogil=True)
 def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     """att = attention(rope(q), rope(k), v) of one sequence's run at positions pos0..pos0+T-1, its keys and values
-    appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache: [K, room, E]."""
+    appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache: [K, room, E / block]."""
     T = qkv.shape[0]
-    K, E = k_cache.shape[0], k_cache.shape[2]
+    K, E = k_cache.shape[0], 2 * cos.shape[1]  # the head dim from the rope tables (a q8_0 slot holds E / 32)
     H = qkv.shape[1] // E - 2 * K
     q = np.ascontiguousarray(qkv[:, : H * E]).reshape((T, H, E))  # [T, H, E]
     k = np.ascontiguousarray(qkv[:, H * E:(H + K) * E]).reshape((T, K, E))  # [T, K, E]
@@ -312,12 +314,12 @@ def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
 def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
     """self_attention for T sequences' one new token each, in one call: token t of sequence seqs[t] at positions[t]
     appends its key and value to that sequence's caches and attends to them.  att: [T, H E]; qkv: [T, (H + 2K) E];
-    k_caches, v_caches: typed lists of every slot's [K, room, E] arrays.
+    k_caches, v_caches: typed lists of every slot's [K, room, E / block] arrays.
 
     One call per layer instead of one per sequence (13 us each): every token's kv heads' work items (attention's) in
     one parallel loop, then the merges."""
     T = qkv.shape[0]
-    K, E = k_caches[seqs[0]].shape[0], k_caches[seqs[0]].shape[2]
+    K, E = k_caches[seqs[0]].shape[0], 2 * cos.shape[1]  # the head dim (a q8_0 slot holds E / 32)
     H = qkv.shape[1] // E - 2 * K
     G = H // K
     q = np.empty((T, H, E), np.float32)
@@ -342,12 +344,12 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
 def decode_attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_caches, v_caches, seqs,
                            positions, cos, sin, eps):
     """attention_block for T sequences' one new token each (decode_attention), as one compiled call: token t of
-    sequence seqs[t] at positions[t].  out, h: [T, D]; k_caches, v_caches: typed lists of every slot's [K, room, E].
+    sequence seqs[t] at positions[t].  out, h: [T, D]; k_caches, v_caches: typed lists of every slot's [K, room, E / block].
 
     One compiled call instead of four calls from Python and the numpy glue between them per layer (with
     ffn_batch_block likewise, the shipped model's 16-sequence step 6 % faster)."""
     T = h.shape[0]
-    K, E = k_caches[seqs[0]].shape[0], k_caches[seqs[0]].shape[2]
+    K, E = k_caches[seqs[0]].shape[0], 2 * cos.shape[1]  # the head dim (a q8_0 slot holds E / 32)
     qkv = np.empty((T, n_rows(wqkv)), np.float32)  # [T, (H + 2K) E]
     qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps)
     qk_norm(qkv, qk_norms, K, eps)

@@ -25,11 +25,12 @@ Dimensions: T tokens, K row length, B = K / 32 blocks per row.
 """
 
 import numpy as np
+from numba import types
 from numba.extending import overload
 
 from fast.quant.blocks import (AHEAD, OFFSET, block_axpy, block_axpy2t, block_axpy4, block_axpy4t, block_dot,
                                block_dot2t, block_dot4t, q8_0_block)
-from fast.quant.floats import bf16_to_f32, dot4x4, f16_round, f16_to_f32, load
+from fast.quant.floats import bf16_bits, bf16_to_f32, dot4x4, f16_bits, f16_round, f16_to_f32, load
 from fast.quant.groups import (block_dot8, block_dot8_4t, block_dot8x2_4t, block_dot8x4, run_dot, run_dot2t, run_dot4,
                                run_dot4_ahead, run_dot4t)
 from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUN_FORMATS, RUNS,
@@ -38,13 +39,13 @@ from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_F
 
 # The row operations below, and what the kernels and tests take from the modules.
 __all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS", "Layout", "OFFSET",
-           "ROWS", "RUN", "RUNS", "RUN_FORMATS", "TYPES", "axpy", "axpy2t", "axpy4", "axpy4t", "bf16_to_f32",
+           "ROWS", "RUN", "RUNS", "RUN_FORMATS", "TYPES", "axpy", "axpy2t", "axpy4", "axpy4t", "bf16_bits", "bf16_to_f32",
            "block_axpy", "block_axpy2t", "block_axpy4", "block_axpy4t", "block_dot", "block_dot2t", "block_dot4t",
            "block_dot8", "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "dot", "dot2", "dot2_2t", "dot2_4t",
-           "dot2t", "dot4", "dot4_ahead", "dot4t", "dot4x4", "f16_round", "f16_to_f32", "for_matmul", "for_sparse",
+           "dot2t", "dot4", "dot4_ahead", "dot4t", "decoded", "dot4x4", "f16_bits", "f16_round", "f16_to_f32", "for_matmul", "for_sparse",
            "hints_ahead", "in_runs", "interleave", "interleaved", "is_float", "layout_of", "load", "n_rows", "plain",
            "prefetch_span", "q8_0_block", "quantize_input", "run_dot", "run_dot2t", "run_dot4", "run_dot4_ahead",
-           "run_dot4t", "to_runs"]
+           "run_dot4t", "store", "to_runs"]
 
 
 # ---------------------------------------------------------------------------------------------------- the row operations
@@ -331,6 +332,56 @@ def _axpy(y, a, w):
                 y[d] += a * load(w, d)
         return floats
     return lambda y, a, w: block_axpy(y, a, w)
+
+
+def store(row, x):
+    """row = x stored in row's format: float32 as it is, f16 and bf16 rounded to nearest even, q8_0 blocks as
+    ref.quant.quantize_q8_0 makes them (a KV cache's write).  row: [n / block]; x: [n] float32."""
+
+
+@overload(store)
+def _store(row, x):
+    if row.dtype == types.float32:
+        def f32(row, x):
+            for k in range(x.shape[0]):
+                row[k] = x[k]
+        return f32
+    if isinstance(row.dtype, types.Record) and "f16" in row.dtype.fields:
+        def f16(row, x):
+            for k in range(x.shape[0]):
+                row[k].f16 = f16_bits(x[k])
+        return f16
+    if isinstance(row.dtype, types.Record) and "bf16" in row.dtype.fields:
+        def bf16(row, x):
+            for k in range(x.shape[0]):
+                row[k].bf16 = bf16_bits(x[k])
+        return bf16
+
+    def q8_0(row, x):  # q8_0_block: the quants written into the block's own bytes
+        v = np.ascontiguousarray(x)
+        for b in range(row.shape[0]):
+            d, _ = q8_0_block(row[b].qs, np.int64(0), np.int64(4), v, np.int64(b * BLOCK))
+            row[b].d = f16_bits(d)
+        return None
+    return q8_0
+
+
+def decoded(rows, first, n, scratch):
+    """Rows first..first+n-1 of rows [N, m] in a format as float32 [n, E]: the rows themselves for float32, else
+    decoded into scratch [>= n, E] (y = 0 + 1 w, axpy: what ref.quant.values gives)."""
+
+
+@overload(decoded)
+def _decoded(rows, first, n, scratch):
+    if rows.dtype == types.float32:
+        return lambda rows, first, n, scratch: rows[first:first + n]
+
+    def other(rows, first, n, scratch):
+        for j in range(n):
+            scratch[j] = 0.0
+            axpy(scratch[j], np.float32(1.0), rows[first + j])
+        return scratch[:n]
+    return other
 
 
 def prefetch_span(bundle):

@@ -29,6 +29,25 @@ def bf16_to_f32(typingctx, bits):
 
 
 @intrinsic
+def f16_bits(typingctx, x):
+    """float32 -> IEEE half bits, rounded to nearest even (numpy's astype(float16)): an LLVM fptrunc."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), I16)
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def bf16_bits(typingctx, x):
+    """float32 -> bf16 bits, rounded to nearest even (ref.common.safetensors.to_bf16_bits)."""
+    def codegen(context, builder, sig, args):
+        bits = builder.bitcast(args[0], I32)
+        odd = builder.and_(builder.lshr(bits, ir.Constant(I32, 16)), ir.Constant(I32, 1))
+        rounded = builder.add(builder.add(bits, ir.Constant(I32, 0x7FFF)), odd)
+        return builder.trunc(builder.lshr(rounded, ir.Constant(I32, 16)), I16)
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
 def f16_round(typingctx, x):
     """float32 rounded to the nearest fp16 (ties to even) and back, as numpy's astype(float16) rounds."""
     def codegen(context, builder, sig, args):

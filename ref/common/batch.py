@@ -18,8 +18,24 @@ import numpy as np
 
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
+from ref.common.formats import FORMATS, Format, format_of
 
+KV_FORMATS = ("f32", "f16", "bf16", "q8_0")  # what a KV cache stores (llama.cpp's -ctk, -ctv)
+# The CLIs' and the server's default. Not llama.cpp's f16: keys rounded to f16 turn the engines' last-bit differences
+# (float sums in another order) into whole f16 steps now and then, and greedy text from ref and fast parted at a
+# near-tie (the shipped model, TEAL 40 %, "the cat"); in f32, bf16 and q8_0 it did not.
+KV_DEFAULT = "f32"
 MIN_ROOM = 128  # positions a slot gets when it first holds any (then doubling): small prompts do not reallocate
+
+
+def kv_format(name: str, flag: str, E: int) -> Format:
+    """The KV cache format called `name` for heads of E dims."""
+    fmt = format_of(name, flag)
+    if fmt.name not in KV_FORMATS:
+        raise UserError(f"{flag}: the KV cache is stored in {', '.join(KV_FORMATS)}, not {fmt.name}")
+    if E % fmt.block:
+        raise UserError(f"{flag} {fmt.name}: a head of {E} dims is not whole blocks of {fmt.block}")
+    return fmt
 
 
 def host_zeros(shape, dtype, l):
@@ -32,9 +48,11 @@ def host_copy(dst, src):
 
 @dataclass
 class KVCache:
-    """Keys and values per layer and slot, k[l][s] and v[l][s] each [K, R_s, E] (a host array, or a device array where
-    layer l's attention runs on the GPU; None while slot s holds nothing), each slot's length and whether it is
-    allocated. `alloc(shape, dtype, l)` makes layer l's arrays and `copy(dst, src)` moves a slot's keys when it grows.
+    """Keys and values per layer and slot, k[l][s] and v[l][s] each [K, R_s, E / block] (a host array, or a device
+    array where layer l's attention runs on the GPU; None while slot s holds nothing), each slot's length and whether
+    it is allocated. `formats` are the keys' and the values' (llama.cpp's -ctk, -ctv: f32 stores `dtype`, the others
+    rows of their blocks, `Format.dtype`). `alloc(shape, dtype, l)` makes layer l's arrays and `copy(dst, src)` moves
+    a slot's keys when it grows.
     """
 
     k: list
@@ -47,14 +65,22 @@ class KVCache:
     alloc: object = host_zeros
     copy: object = host_copy
     version: int = 0  # counts changes of the slots' arrays (growth, free), for views an engine keeps of them
+    formats: tuple = (FORMATS["f32"], FORMATS["f32"])  # the keys', the values'
 
     @staticmethod
-    def empty(cfg: ModelConfig, capacity: int, dtype, slots: int = 1, alloc=None, copy=None) -> "KVCache":
-        """A cache for `slots` sequences of up to `capacity` positions each, every slot allocated and empty."""
-        L = cfg.n_layers
+    def empty(cfg: ModelConfig, capacity: int, dtype, slots: int = 1, alloc=None, copy=None,
+              formats: tuple = ("f32", "f32")) -> "KVCache":
+        """A cache for `slots` sequences of up to `capacity` positions each, every slot allocated and empty, its keys
+        and values stored in `formats` (names: f32, f16, bf16, q8_0)."""
+        L, E = cfg.n_layers, cfg.head_dim
+        formats = tuple(kv_format(name, flag, E) for name, flag in zip(formats, ("-ctk", "-ctv")))
         return KVCache([[None] * slots for _ in range(L)], [[None] * slots for _ in range(L)],
                        np.zeros(slots, np.int64), np.ones(slots, bool), int(capacity), np.dtype(dtype),
-                       (cfg.n_kv_heads, cfg.head_dim), alloc or host_zeros, copy or host_copy)
+                       (cfg.n_kv_heads, E), alloc or host_zeros, copy or host_copy, 0, formats)
+
+    def storage(self, fmt: Format) -> tuple[int, np.dtype]:
+        """(items per position of a head, their dtype) of an array stored in `fmt`."""
+        return (self.shape[1], self.dtype) if fmt.name == "f32" else (self.shape[1] // fmt.block, fmt.dtype)
 
     @property
     def slots(self) -> int:
@@ -92,9 +118,9 @@ class KVCache:
         room = min(self.capacity, max(n, 2 * room, MIN_ROOM))
         length = int(self.lengths[seq])
         for l in range(len(self.k)):
-            for arrays in (self.k[l], self.v[l]):
-                K, E = self.shape
-                new = self.alloc((K, room, E), self.dtype, l)
+            for arrays, fmt in zip((self.k[l], self.v[l]), self.formats):
+                K, (E, dtype) = self.shape[0], self.storage(fmt)
+                new = self.alloc((K, room, E), dtype, l)
                 for kv in range(K if length else 0):  # a head's positions at a time: each copy contiguous
                     self.copy(new[kv, :length], arrays[seq][kv, :length])
                 arrays[seq] = new
@@ -120,8 +146,9 @@ class KVCache:
         return sum(a.nbytes for layer in (*self.k, *self.v) for a in layer if a is not None)
 
     def bytes_per_token(self) -> int:
-        """Cache bytes one position takes: keys and values of every layer."""
-        return 2 * len(self.k) * int(np.prod(self.shape)) * self.dtype.itemsize
+        """Cache bytes one position takes: keys and values of every layer, each in its format."""
+        K = self.shape[0]
+        return len(self.k) * K * sum(n * dtype.itemsize for n, dtype in map(self.storage, self.formats))
 
 
 @dataclass(frozen=True)

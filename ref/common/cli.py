@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from ref.common.artifacts import check_sparsity
+from ref.common.batch import KV_DEFAULT, KV_FORMATS
 from ref.common.errors import Terminated, UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c, terminate
 from ref.common.formats import FORMATS
 from ref.common.gguf_io import is_gguf
@@ -45,6 +46,8 @@ class Generation:
     ignore_eos: bool
     context_shift: bool
     keep: int
+    cache_type_k: str
+    cache_type_v: str
 
     def check(self) -> "Generation":
         """The flags checked, the model folder resolved (MODEL_DIR or -m), the prompt read (-p or -f)."""
@@ -66,12 +69,35 @@ class Generation:
         self.prompt = DEFAULT_PROMPT if self.prompt is None else self.prompt
         return self
 
+    @property
+    def cache_types(self) -> tuple[str, str]:
+        return cache_types(self.cache_type_k, self.cache_type_v)
+
     def sampling(self) -> dict:
         """The keyword arguments of `generate` these flags set."""
         return dict(temperature=self.temp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
                     ctx_size=self.ctx_size or None, ignore_eos=self.ignore_eos, batch_size=self.batch_size,
                     context_shift=self.context_shift, keep=self.keep)
+
+
+KV_FLAGS = [
+    click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_FORMATS, case_sensitive=False),
+                 default=KV_DEFAULT, show_default=True, help="The KV cache's format for keys (a GPU's: f32)."),
+    click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_FORMATS, case_sensitive=False),
+                 default=KV_DEFAULT, show_default=True, help="The KV cache's format for values (a GPU's: f32)."),
+]
+
+
+def cache_types(k: str, v: str) -> tuple[str, str]:
+    """-ctk, -ctv as load_engine's cache_types."""
+    return k.lower(), v.lower()
+
+def kv_cache_options(f):
+    """A decorator adding -ctk and -ctv (keyword arguments cache_type_k, cache_type_v) to a command."""
+    for option in reversed(KV_FLAGS):
+        f = option(f)
+    return f
 
 
 GENERATION_FLAGS = [
@@ -99,6 +125,7 @@ GENERATION_FLAGS = [
                  help="When the context fills, drop half of the tokens after --keep and go on (llama.cpp's)."),
     click.option("--keep", default=0, show_default=True, type=int,
                  help="Tokens of the prompt a context shift keeps (-1: all of it)."),
+    *KV_FLAGS,
 ]
 
 

@@ -95,20 +95,23 @@ def case_rope(rng, T, h, E, pos0):
     return lambda k: (k.rope(out, x, cos, sin, pos0), out)[1], ref_rope(x.astype(np.float64), np.arange(pos0, pos0 + T), 500.0)
 
 
-def case_attention(rng, T, S, H, K, E):
-    q, kc, vc = randn(rng, T, H, E), randn(rng, K, S, E), randn(rng, K, S, E)  # the cache head-major
+def case_attention(rng, T, S, H, K, E, kv=("f32", "f32")):
+    """Keys and values head-major, each in a KV cache format (stored: ref attends over the values they mean)."""
+    q = randn(rng, T, H, E)
+    (kc, kf, _), (vc, vf, _) = stored(randn(rng, K, S, E), kv[0]), stored(randn(rng, K, S, E), kv[1])
     pos0 = S - T
     out = np.empty_like(q)
     return (lambda k: (k.attention(out, q, kc, vc, pos0), out)[1],
-            ref_attention(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), np.arange(pos0, S)))
+            ref_attention(q.astype(np.float64), kf, vf, np.arange(pos0, S)))
 
 
-def case_store_kv(rng, T, K, E, room, pos0):
-    """A run's keys into a head-major slot at pos0..pos0+T-1; the other positions untouched."""
-    cache, x = randn(rng, K, room, E), randn(rng, T, K, E)
-    want = cache.copy()
-    want[:, pos0:pos0 + T] = x.transpose(1, 0, 2)
-    return lambda k: (lambda c: (k.store_kv(c, x, pos0), c)[1])(cache.copy()), want
+def case_store_kv(rng, T, K, E, room, pos0, kv="f32"):
+    """A run's keys into a head-major slot in a KV format at pos0..pos0+T-1 (rounded, or quantized, as ref.quant
+    stores them: compared as the values they mean); the other positions untouched."""
+    cache, x = stored(randn(rng, K, room, E), kv)[0], randn(rng, T, K, E, scale=3)
+    want = values(cache).copy()
+    want[:, pos0:pos0 + T] = stored(x.transpose(1, 0, 2), kv)[1]
+    return lambda k: (lambda c: (k.store_kv(c, x, pos0), values(c))[1])(cache.copy()), want
 
 
 def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_norm=False):
@@ -121,7 +124,7 @@ def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_nor
     qk_norms = 1 + randn(rng, 2, E, scale=0.3) if qk_norm else np.zeros((0, 0), F32)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
 
-    def want(h, kc, vc, pos0):
+    def want(h, kc, vc, pos0, kv_round=None, kv=None):
         T = h.shape[0]
         qkv = read_qkv(normed(f64(h))) @ wqkv.T + (bqkv if bias else 0)  # [T, (H + 2K) E]
         q, k, v = np.split(qkv, [H * E, (H + K) * E], axis=1)
@@ -130,8 +133,11 @@ def attention_weights(rng, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_nor
             q, k = ref_rmsnorm(q, f64(qk_norms[0]), 1e-5), ref_rmsnorm(k, f64(qk_norms[1]), 1e-5)
         pos = np.arange(pos0, pos0 + T)
         q, k = ref_rope(q, pos, 500.0), ref_rope(k, pos, 500.0)
-        keys = np.concatenate([f64(kc[:, :pos0]), k.transpose(1, 0, 2)], axis=1)  # [K, pos0 + T, E]
-        values = np.concatenate([f64(vc[:, :pos0]), v.reshape(T, K, E).transpose(1, 0, 2)], axis=1)
+        k, v = k.transpose(1, 0, 2), v.reshape(T, K, E).transpose(1, 0, 2)  # [K, T, E]
+        if kv_round is not None:  # this run's keys and values as a cache in formats kv stores them
+            k, v = kv_round(k, kv[0]), kv_round(v, kv[1])
+        keys = np.concatenate([f64(kc[:, :pos0]), k], axis=1)  # [K, pos0 + T, E]
+        values = np.concatenate([f64(vc[:, :pos0]), v], axis=1)
         return read_o(ref_attention(q, keys, values, pos).reshape(T, H * E)) @ wo.T + (bo if bias else 0)  # [T, D]
     return (w, wb, wqkv_b, bqkv, qk_norms, wo_b, bo, *rope_tables_for(E)), want
 
@@ -147,21 +153,25 @@ def case_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=Fals
                                          S - T, 1e-5), out)[1], want(h, kc, vc, S - T))
 
 
-def case_decode_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_norm=False):
+def case_decode_attention_block(rng, T, S, H, K, E, D, fmt="f32", norm="rms", bias=False, qk_norm=False,
+                                kv=("f32", "f32")):
     """T sequences' one new token each, in slots given out of order beside a free slot (an empty array), at positions
-    0 to S - 1: each token's row as ref's block of its own sequence."""
+    0 to S - 1, keys and values in KV formats `kv`: each token's row as ref's block of its own sequence."""
     from numba.typed import List
     h = randn(rng, T, D)
     (w, wb, wqkv, bqkv, qk_norms, wo, bo, cos, sin), want = attention_weights(rng, H, K, E, D, fmt, norm, bias, qk_norm)
     seqs = rng.permutation(T + 1)[:T].astype(np.int64)  # slot T + 1's one left free
     positions = rng.integers(0, S, T).astype(np.int64)
-    kcs, vcs = [randn(rng, K, S + 1, E) for _ in range(T + 1)], [randn(rng, K, S + 1, E) for _ in range(T + 1)]
+    kcs, vcs = ([stored(randn(rng, K, S + 1, E), f)[0] for _ in range(T + 1)] for f in kv)
     free = next(s for s in range(T + 1) if s not in seqs)
-    kcs[free] = vcs[free] = np.zeros((K, 0, E), F32)
+    kcs[free], vcs[free] = (stored(np.zeros((K, 1, E)), f)[0][:, :0] for f in kv)
     out = np.empty((T, D), F32)
+    # the new token's key and value are stored in the slot's format too: ref reads them back rounded
+    kv_round = (lambda x, f: stored(x, f)[1])
     return (lambda k: (k.decode_attention_block(out, h, w, wb, wqkv, bqkv, qk_norms, wo, bo, List([a.copy() for a in kcs]),
                                                 List([a.copy() for a in vcs]), seqs, positions, cos, sin, 1e-5), out)[1],
-            np.concatenate([want(h[t:t + 1], kcs[seqs[t]], vcs[seqs[t]], positions[t]) for t in range(T)]))
+            np.concatenate([want(h[t:t + 1], values(kcs[seqs[t]]), values(vcs[seqs[t]]), positions[t],
+                                 kv_round if kv != ("f32", "f32") else None, kv) for t in range(T)]))
 
 
 def ffn_weights(rng, F, D, fmt, gated, runs=False):
@@ -384,6 +394,10 @@ SHAPES = [
     ("attention", dict(T=300, S=310, H=4, K=2, E=8), False),  # fast.blas's query blocks, the last a tail
     ("store_kv", dict(T=3, K=2, E=8, room=9, pos0=4), False), ("store_kv", dict(T=1, K=1, E=4, room=1, pos0=0), False),
     ("store_kv", dict(T=2, K=3, E=4, room=7, pos0=5), True),
+    *[("store_kv", dict(T=3, K=2, E=64, room=9, pos0=4, kv=kv), False) for kv in ("f16", "bf16", "q8_0")],
+    *[("attention", dict(T=T, S=S, H=4, K=2, E=64, kv=kv), False) for kv in (("f16", "f16"), ("bf16", "q8_0"),
+      ("q8_0", "q8_0"), ("q8_0", "f32")) for T, S in ((1, 70), (3, 600))],
+    ("attention", dict(T=200, S=330, H=4, K=2, E=32, kv=("q8_0", "f16")), False),  # fast.blas's, decoded per chunk
     ("attention", dict(T=3, S=1100, H=4, K=2, E=8), False),  # several work items (SPLIT), blocks with a tail
     ("attention", dict(T=1, S=1024, H=2, K=1, E=4), False),  # items and blocks without a tail
     ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu"), False),
@@ -461,6 +475,8 @@ SHAPES = [
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),
     ("decode_attention_block", dict(T=3, S=1300, H=4, K=2, E=8, D=19), False),  # tokens of one and several items
+    ("decode_attention_block", dict(T=3, S=700, H=4, K=2, E=32, D=19, kv=("q8_0", "f16")), False),
+    ("decode_attention_block", dict(T=2, S=40, H=4, K=1, E=32, D=19, kv=("bf16", "q8_0")), False),
     ("decode_attention_block", dict(T=3, S=6, H=2, K=2, E=4, D=9, norm="layer", bias=True), False),
     ("decode_attention_block", dict(T=4, S=9, H=4, K=2, E=8, D=19, qk_norm=True), False),
     ("ffn_batch_block", dict(T=5, F=40, D=19, R=8, kind="relu"), False),

@@ -143,7 +143,7 @@ def test_bench_at_depth(tmp_path):
         outs.append(json.loads((tmp_path / f"b{depth}.json").read_text()))
     assert "| tg2 @ d40 |" in r.output and outs[1]["depth"] == 40 and outs[1]["sparse"]["tok_s"] > 0
     cfg = shape_config("micro")
-    kv = 2 * cfg.n_layers * 40 * cfg.n_kv_heads * cfg.head_dim * 4
+    kv = 2 * cfg.n_layers * 40 * cfg.n_kv_heads * cfg.head_dim * 2  # f16 keys and values (-ctk, -ctv: llama.cpp's)
     for name in ("dense", "sparse"):
         assert outs[1][name]["bytes_per_token"] - outs[0][name]["bytes_per_token"] == kv
 
@@ -155,3 +155,19 @@ def test_rounds_at_depth_start_from_the_same_prompt():
     for r in range(3):
         bracketed_decode({"dense": engine}, ReadProbe(0.001), 3, r, depth=10, held=held)
         assert held["dense"].lengths[0] == 13
+
+
+def test_bench_attention_table():
+    """scripts/bench_attention.py: a row per depth and KV format, its bytes those of the format; a bad format is one
+    line."""
+    args = ["--shape", "tinyllama-1.1b", "--layers", "1", "--depths", "8,40", "--runs", "1", "--probe-gib", "0.01",
+            "-t", "1"]
+    r = CliRunner().invoke(load_script("bench_attention").main, [*args, "--kv", "f32,q8_0"])
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.output.splitlines() if line.startswith("| tinyllama")]
+    assert [row.split("|")[2:4] for row in rows] == [[" f32 ", " 8 "], [" q8_0 ", " 8 "], [" f32 ", " 40 "],
+                                                     [" q8_0 ", " 40 "]]
+    assert float(rows[0].split("|")[4]) == pytest.approx(2 * 4 * 9 * 64 * 4 / 1e6, rel=1e-3)  # K, V; 4 heads of 64
+    assert float(rows[1].split("|")[4]) == pytest.approx(2 * 4 * 9 * 2 * 34 / 1e6, rel=1e-3)  # 2 q8_0 blocks
+    bad = CliRunner().invoke(load_script("bench_attention").main, [*args, "--kv", "q4_0"])
+    assert bad.exit_code == 1 and "--kv: the KV cache is stored in" in bad.output
