@@ -14,7 +14,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from fast.quant import decoded, n_rows, store
+from fast.quant import decoded, dot4x4, n_rows, store
+from fast.quant.floats import axpy_tile
+from fast.quant.target import FLOAT_LANES as LANES
 from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, rope
 from fast.cpu.matmul import matmul
 
@@ -78,6 +80,7 @@ def attend(acc, ml, q, k, v, s0, s1):
     scale = np.float32(1.0 / math.sqrt(E))
     scores = np.empty((G, BLOCK), np.float32)
     kbuf, vbuf = np.empty((BLOCK, E), np.float32), np.empty((BLOCK, E), np.float32)  # decoded rows
+    G4 = G - G % 4 if E % LANES == 0 else 0  # heads in fours through the register tiles; the rest row by row
     for g in range(G):
         ml[g, 0], ml[g, 1] = NONE, 0.0
         for e in range(E):
@@ -86,7 +89,15 @@ def attend(acc, ml, q, k, v, s0, s1):
         nb = min(BLOCK, s1 - b0)
         kb = decoded(k, b0, nb, kbuf)  # [nb, E]
         for j in range(0, nb - 3, 4):
-            for g in range(G):
+            for g in range(0, G4, 4):  # 4 positions x 4 heads: each row loaded once for 16 products
+                (a0, a1, a2, a3, b0_, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3) = dot4x4(
+                    kb[j], kb[j + 1], kb[j + 2], kb[j + 3], q[g], q[g + 1], q[g + 2], q[g + 3],
+                    kb[j], kb[j + 1], kb[j + 2], kb[j + 3])
+                scores[g, j], scores[g + 1, j], scores[g + 2, j], scores[g + 3, j] = a0, a1, a2, a3
+                scores[g, j + 1], scores[g + 1, j + 1], scores[g + 2, j + 1], scores[g + 3, j + 1] = b0_, b1, b2, b3
+                scores[g, j + 2], scores[g + 1, j + 2], scores[g + 2, j + 2], scores[g + 3, j + 2] = c0, c1, c2, c3
+                scores[g, j + 3], scores[g + 1, j + 3], scores[g + 2, j + 3], scores[g + 3, j + 3] = d0, d1, d2, d3
+            for g in range(G4, G):
                 a0 = a1 = a2 = a3 = np.float32(0.0)
                 for e in range(E):
                     qe = q[g, e]
@@ -118,13 +129,15 @@ def attend(acc, ml, q, k, v, s0, s1):
                 total += p
             ml[g, 1] += total
         vb = decoded(v, b0, nb, vbuf)  # [nb, E]
+        for g in range(0, G4, 4):  # four heads' outputs in registers over the block
+            axpy_tile(acc, scores, vb, g, nb)
         for j in range(0, nb - 3, 4):
-            for g in range(G):
+            for g in range(G4, G):
                 p0, p1, p2, p3 = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3]
                 for e in range(E):
                     acc[g, e] += p0 * vb[j, e] + p1 * vb[j + 1, e] + p2 * vb[j + 2, e] + p3 * vb[j + 3, e]
         for j in range(nb - nb % 4, nb):
-            for g in range(G):
+            for g in range(G4, G):
                 p0 = scores[g, j]
                 for e in range(E):
                     acc[g, e] += p0 * vb[j, e]

@@ -30,12 +30,13 @@ from numba.extending import overload
 
 from fast.quant.blocks import (AHEAD, OFFSET, block_axpy, block_axpy2t, block_axpy4, block_axpy4t, block_dot,
                                block_dot2t, block_dot4t, q8_0_block)
-from fast.quant.floats import bf16_bits, bf16_to_f32, dot4x4, f16_bits, f16_round, f16_to_f32, load
+from fast.quant.floats import bf16_bits, bf16_to_f32, dot4x4, f16_bits, f16_round, f16_to_f32, load, widen
 from fast.quant.groups import (block_dot8, block_dot8_4t, block_dot8x2_4t, block_dot8x4, run_dot, run_dot2t, run_dot4,
                                run_dot4_ahead, run_dot4t)
 from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUN_FORMATS, RUNS,
                                 LAYOUTS, TYPES, Layout, for_matmul, for_sparse, in_runs, interleave, interleaved,
-                                is_float, layout_of, n_rows, plain, to_runs)
+                                float_kind, is_float, layout_of, n_rows, plain, to_runs)
+import fast.quant.target as target
 
 # The row operations below, and what the kernels and tests take from the modules.
 __all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS", "Layout", "OFFSET",
@@ -375,6 +376,20 @@ def decoded(rows, first, n, scratch):
 def _decoded(rows, first, n, scratch):
     if rows.dtype == types.float32:
         return lambda rows, first, n, scratch: rows[first:first + n]
+
+    if float_kind(rows.dtype) in ("f16", "bf16"):
+        L = target.FLOAT_LANES
+
+        def halves(rows, first, n, scratch):  # whole vectors widened, else element by element
+            E = scratch.shape[1]
+            for j in range(n):
+                if E % L == 0:
+                    widen(scratch[j], rows[first + j])
+                else:
+                    for e in range(E):
+                        scratch[j, e] = load(rows[first + j], e)
+            return scratch[:n]
+        return halves
 
     def other(rows, first, n, scratch):
         for j in range(n):

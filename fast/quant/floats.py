@@ -6,7 +6,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from fast.quant.ir import F32, I16, I32, I64, I8, _block_loop, _call, _joined, _lanes, _read, _splat, _vec
+from fast.quant.ir import F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _joined, _lanes, _read, _splat, _vec
 from fast.quant.layouts import float_kind
 import fast.quant.target as target
 
@@ -157,3 +157,85 @@ def dot4x4(typingctx, w0, w1, w2, w3, x0, x1, x2, x3, p0, p1, p2, p3):
     loop leaves registers. Against numba's loop (8 lanes, 16 horizontal sums): [4, 2048] x [32000, 2048] f16 3.9
     -> 2.6 ms."""
     return _float_tile((w0, w1, w2, w3), (x0, x1, x2, x3), (p0, p1, p2, p3))
+
+
+@intrinsic
+def axpy_tile(typingctx, acc, p, v, g0, n):
+    """acc[g0 + i] += sum over j < n of p[g0 + i, j] v[j], i = 0..3: four rows of weighted sums of n rows, in
+    registers (attention's values: four query heads' outputs, a block of positions). Each step loads 4 lanes-wide
+    slices of a row of v and the four weights once for 16 FMAs (numba's loop loaded and stored the outputs for each
+    row of v). E % target.FLOAT_LANES == 0.  acc: [G, E]; p: [G, >= n]; v: [>= n, E]; all float32, C-contiguous."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+               for a in (acc, p, v)):
+        return None
+    L = target.FLOAT_LANES
+    vec = _vec(F32, L)
+
+    def codegen(context, builder, sig, args):
+        A, P, V = (context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[:3], args[:3]))
+        g0, n = args[3], args[4]
+        E = cgutils.unpack_tuple(builder, A.shape)[1]
+        stride_p = cgutils.unpack_tuple(builder, P.shape)[1]
+        ap, pp, vp = A.data, P.data, V.data  # float*
+
+        def at(ptr, i):  # the L floats at ptr + i, as a vector pointer
+            return builder.bitcast(builder.gep(ptr, [i]), vec.as_pointer())
+
+        def chunks(e0, nv):  # acc[g0 .. g0 + 3, e0 : e0 + nv L] += ...
+            rows = [builder.mul(builder.add(g0, I64(i)), E) for i in range(4)]
+            init = [builder.load(at(ap, builder.add(r, builder.add(e0, I64(c * L)))), align=4)
+                    for r in rows for c in range(nv)]
+            state = ir.Constant(ir.LiteralStructType([vec] * (4 * nv)), None)
+            for m, x in enumerate(init):
+                state = builder.insert_value(state, x, m)
+
+            def position(j, accs):
+                row = builder.mul(j, E)
+                vs = [builder.load(at(vp, builder.add(row, builder.add(e0, I64(c * L)))), align=4) for c in range(nv)]
+                for i in range(4):
+                    w = builder.load(builder.gep(pp, [builder.add(builder.mul(builder.add(g0, I64(i)), stride_p), j)]))
+                    b = _broadcast(builder, w, L)
+                    for c in range(nv):
+                        m = i * nv + c
+                        accs = builder.insert_value(accs, _call(builder, f"llvm.fma.v{L}f32", vec, b, vs[c],
+                                                                builder.extract_value(accs, m)), m)
+                return accs
+            accs = _block_loop(builder, n, state, position)
+            for i, r in enumerate(rows):
+                for c in range(nv):
+                    builder.store(builder.extract_value(accs, i * nv + c),
+                                  at(ap, builder.add(r, builder.add(e0, I64(c * L)))), align=4)
+
+        wide = builder.sdiv(E, I64(4 * L))  # groups of four vectors, then single vectors
+        flag = ir.Constant(I64, 0)
+        _block_loop(builder, wide, flag, lambda b, f: (chunks(builder.mul(b, I64(4 * L)), 4), f)[1])
+        rest = builder.sdiv(builder.sub(E, builder.mul(wide, I64(4 * L))), I64(L))
+        _block_loop(builder, rest, flag, lambda b, f: (chunks(builder.add(builder.mul(wide, I64(4 * L)),
+                                                                            builder.mul(b, I64(L))), 1), f)[1])
+        return context.get_dummy_value()
+    return types.void(acc, p, v, g0, n), codegen
+
+
+@intrinsic
+def widen(typingctx, out, row):
+    """out = the float32 values of an f16 or bf16 row, target.FLOAT_LANES at a time (vcvtph2ps, or a shift), for
+    rows whose length is a multiple of them.  out: [n] float32; row: [n] f16 or bf16 (C-contiguous)."""
+    kind = float_kind(row.dtype)
+    if kind not in ("f16", "bf16") or out.dtype != types.float32 or out.layout != "C" or row.layout != "C":
+        return None
+    L = target.FLOAT_LANES
+
+    def codegen(context, builder, sig, args):
+        O, R = (context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args, args))
+        n = cgutils.unpack_tuple(builder, O.shape)[0]
+        op, rp = builder.bitcast(O.data, I8.as_pointer()), builder.bitcast(R.data, I8.as_pointer())
+
+        def step(b, flag):
+            k = builder.mul(b, I64(L))
+            x = _float_lanes(builder, kind, builder.gep(rp, [builder.mul(k, I64(2))]), L)
+            builder.store(x, builder.bitcast(builder.gep(op, [builder.mul(k, I64(4))]), _vec(F32, L).as_pointer()),
+                          align=1)
+            return flag
+        _block_loop(builder, builder.sdiv(n, I64(L)), ir.Constant(I64, 0), step)
+        return context.get_dummy_value()
+    return types.void(out, row), codegen
