@@ -49,8 +49,6 @@ def exp_le0(x):
     return p * bits_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-
-
 # Positions per work item of attention: each item's softmax over its share is partial, and a serial merge combines a
 # query's items in order. A fixed length, so a query's result depends on its position only, not on the thread count
 # or on what else the step computes; short contexts are one item per kv head.
@@ -71,10 +69,11 @@ def attend(acc, ml, q, k, v, s0, s1):
     acc[g] = sum_s p_gs v[s] and ml[g] = (m_g, l_g), p_gs = exp(q[g] . k[s] / sqrt(E) - m_g) with m_g the largest
     scaled score and l_g = sum_s p_gs (merge turns partials into the softmax).
 
-    Per block of BLOCK positions: the scores, four positions per pass over a head's E lanes (each key row loaded once
-    for the G heads); the running max, sum and acc rescaled where the max rises; the exponentials in one vectorised
-    pass (exp_le0); the values, four rows per load and store of acc. A head's rows are contiguous (the cache is
-    head-major), so the reads are two forward streams; rows in f16, bf16 or q8_0 are decoded a block at a time
+    Per block of BLOCK positions: the scores, 4 positions x 4 heads per step (dot4x4: each row loaded once for 16
+    products, one transpose-sum); the running max, sum and acc rescaled where the max rises; the exponentials in one
+    vectorised pass (exp_le0); the values, 4 heads' outputs held in registers over the block (axpy_tile). Heads left
+    over from the fours, or a head dim off the vector lanes, go row by row. A head's rows are contiguous (the cache
+    is head-major), so the reads are two forward streams; rows in f16, bf16 or q8_0 are decoded a block at a time
     (fast.quant.decoded).  acc, q: [G, E]; ml: [G, 2]; k, v: [>= s1, E / block] in the cache's formats."""
     G, E = q.shape
     scale = np.float32(1.0 / math.sqrt(E))
@@ -90,13 +89,13 @@ def attend(acc, ml, q, k, v, s0, s1):
         kb = decoded(k, b0, nb, kbuf)  # [nb, E]
         for j in range(0, nb - 3, 4):
             for g in range(0, G4, 4):  # 4 positions x 4 heads: each row loaded once for 16 products
-                (a0, a1, a2, a3, b0_, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3) = dot4x4(
+                (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33) = dot4x4(
                     kb[j], kb[j + 1], kb[j + 2], kb[j + 3], q[g], q[g + 1], q[g + 2], q[g + 3],
-                    kb[j], kb[j + 1], kb[j + 2], kb[j + 3])
-                scores[g, j], scores[g + 1, j], scores[g + 2, j], scores[g + 3, j] = a0, a1, a2, a3
-                scores[g, j + 1], scores[g + 1, j + 1], scores[g + 2, j + 1], scores[g + 3, j + 1] = b0_, b1, b2, b3
-                scores[g, j + 2], scores[g + 1, j + 2], scores[g + 2, j + 2], scores[g + 3, j + 2] = c0, c1, c2, c3
-                scores[g, j + 3], scores[g + 1, j + 3], scores[g + 2, j + 3], scores[g + 3, j + 3] = d0, d1, d2, d3
+                    kb[j], kb[j + 1], kb[j + 2], kb[j + 3])  # s_ih: position j + i, head g + h
+                scores[g, j], scores[g + 1, j], scores[g + 2, j], scores[g + 3, j] = s00, s01, s02, s03
+                scores[g, j + 1], scores[g + 1, j + 1], scores[g + 2, j + 1], scores[g + 3, j + 1] = s10, s11, s12, s13
+                scores[g, j + 2], scores[g + 1, j + 2], scores[g + 2, j + 2], scores[g + 3, j + 2] = s20, s21, s22, s23
+                scores[g, j + 3], scores[g + 1, j + 3], scores[g + 2, j + 3], scores[g + 3, j + 3] = s30, s31, s32, s33
             for g in range(G4, G):
                 a0 = a1 = a2 = a3 = np.float32(0.0)
                 for e in range(E):
@@ -308,7 +307,8 @@ def qk_norm(qkv, norms, K, eps):
 @njit(cache=True, nogil=True)
 def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     """att = attention(rope(q), rope(k), v) of one sequence's run at positions pos0..pos0+T-1, its keys and values
-    appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache: [K, room, E / block]."""
+    appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache:
+    [K, room, E / block]."""
     T = qkv.shape[0]
     K, E = k_cache.shape[0], 2 * cos.shape[1]  # the head dim from the rope tables (a q8_0 slot holds E / 32)
     H = qkv.shape[1] // E - 2 * K
@@ -357,7 +357,8 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
 def decode_attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_caches, v_caches, seqs,
                            positions, cos, sin, eps):
     """attention_block for T sequences' one new token each (decode_attention), as one compiled call: token t of
-    sequence seqs[t] at positions[t].  out, h: [T, D]; k_caches, v_caches: typed lists of every slot's [K, room, E / block].
+    sequence seqs[t] at positions[t].  out, h: [T, D]; k_caches, v_caches: typed lists of every slot's
+    [K, room, E / block].
 
     One compiled call instead of four calls from Python and the numpy glue between them per layer (with
     ffn_batch_block likewise, the shipped model's 16-sequence step 6 % faster)."""
