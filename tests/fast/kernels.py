@@ -395,12 +395,13 @@ SHAPES = [
     ("store_kv", dict(T=3, K=2, E=8, room=9, pos0=4), False), ("store_kv", dict(T=1, K=1, E=4, room=1, pos0=0), False),
     ("store_kv", dict(T=2, K=3, E=4, room=7, pos0=5), True),
     *[("store_kv", dict(T=3, K=2, E=64, room=9, pos0=4, kv=kv), False) for kv in ("f16", "bf16", "q8_0")],
-    *[("attention", dict(T=T, S=S, H=4, K=2, E=64, kv=kv), False) for kv in (("f16", "f16"), ("bf16", "q8_0"),
-      ("q8_0", "q8_0"), ("q8_0", "f32")) for T, S in ((1, 70), (3, 600))],
-    ("attention", dict(T=200, S=330, H=4, K=2, E=32, kv=("q8_0", "f16")), False),  # fast.blas's, decoded per chunk
+    # KV formats in two pairs (each pair compiles its own kernels): every format as keys or values
+    *[("attention", dict(T=T, S=S, H=4, K=2, E=64, kv=kv), False) for kv in (("f16", "bf16"), ("q8_0", "q8_0"))
+      for T, S in ((1, 70), (3, 600))],
+    ("attention", dict(T=200, S=330, H=4, K=2, E=32, kv=("q8_0", "q8_0")), False),  # fast.blas's, decoded per chunk
     # groups of 4 and 5 query heads: the register tiles (E a multiple of the lanes), and one head beside them
     ("attention", dict(T=2, S=150, H=8, K=2, E=32), False), ("attention", dict(T=1, S=67, H=10, K=2, E=64), False),
-    ("attention", dict(T=1, S=600, H=8, K=1, E=96, kv=("f16", "q8_0")), False),
+    ("attention", dict(T=1, S=600, H=8, K=1, E=96, kv=("q8_0", "q8_0")), False),
     ("attention", dict(T=2, S=70, H=4, K=1, E=8, kv=("f16", "bf16")), False),  # halves widened element by element
     ("attention", dict(T=3, S=1100, H=4, K=2, E=8), False),  # several work items (SPLIT), blocks with a tail
     ("attention", dict(T=1, S=1024, H=2, K=1, E=4), False),  # items and blocks without a tail
@@ -479,9 +480,8 @@ SHAPES = [
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),
     ("decode_attention_block", dict(T=3, S=1300, H=4, K=2, E=8, D=19), False),  # tokens of one and several items
-    ("decode_attention_block", dict(T=3, S=700, H=4, K=2, E=32, D=19, kv=("q8_0", "f16")), False),
-    ("decode_attention_block", dict(T=2, S=40, H=4, K=1, E=32, D=19, kv=("bf16", "q8_0")), False),
-    ("decode_attention_block", dict(T=3, S=300, H=8, K=2, E=32, D=19, kv=("f16", "f32")), False),
+    ("decode_attention_block", dict(T=3, S=700, H=4, K=2, E=32, D=19, kv=("q8_0", "q8_0")), False),
+    ("decode_attention_block", dict(T=3, S=300, H=8, K=2, E=32, D=19, kv=("f16", "bf16")), False),
     ("decode_attention_block", dict(T=3, S=6, H=2, K=2, E=4, D=9, norm="layer", bias=True), False),
     ("decode_attention_block", dict(T=4, S=9, H=4, K=2, E=8, D=19, qk_norm=True), False),
     ("ffn_batch_block", dict(T=5, F=40, D=19, R=8, kind="relu"), False),

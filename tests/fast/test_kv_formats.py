@@ -8,16 +8,17 @@ import sys
 import numpy as np
 import pytest
 
+import ref
 from fast import blas
 from fast.load import check_memory, load_engine, set_kv_types
 from ref.common.batch import Batch, KVCache
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
-from tests.fast.conftest import sparse_engine, sparse_model
 from tests.helpers import ROOT, SMALL_CONFIG, assert_close, write_model
 
 PAIRS = [("f32", "f32"), ("f16", "f16"), ("bf16", "q8_0"), ("q8_0", "q8_0"), ("q8_0", "f16")]
+RUN = [("f16", "bf16"), ("q8_0", "q8_0")]  # the pairs the engine runs: each compiles its step, every format in one
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +33,11 @@ def with_kv(model, kv):
     return model
 
 
-@pytest.mark.parametrize("kv", PAIRS, ids="-".join)
+@pytest.mark.parametrize("kv", RUN, ids="-".join)
 def test_engine_matches_ref_in_every_kv_format(wide, kv, monkeypatch):
     """Two sequences: prompts (one long enough for fast.blas's prompt path), then decode steps together, their slots
     growing (room 4, then 8, ...): the logits as ref's, each sequence alone."""
-    import ref.common.batch
-    monkeypatch.setattr(ref.common.batch, "MIN_ROOM", 4)
+    monkeypatch.setattr("ref.common.batch.MIN_ROOM", 4)
     monkeypatch.setattr(blas, "MIN_WORK", 0)
     model, engine = with_kv(ref.load_model(wide), kv), with_kv(load_engine(wide, threads=1), kv)
     rng = np.random.default_rng(0)
@@ -53,13 +53,13 @@ def test_engine_matches_ref_in_every_kv_format(wide, kv, monkeypatch):
     assert cache.k[0][0].dtype == (np.float32 if kv[0] == "f32" else FORMATS[kv[0]].dtype)
 
 
-@pytest.mark.parametrize("kv", [("f16", "f16"), ("q8_0", "bf16")], ids="-".join)
-def test_context_shift_in_a_kv_format(small, kv):
+@pytest.mark.parametrize("kv", RUN, ids="-".join)
+def test_context_shift_in_a_kv_format(wide, kv):
     """A shift decodes the moved keys, rotates them and stores them again in the cache's format: ref and fast
     agree after it."""
     got = []
-    for model in (sparse_model(small), sparse_engine(small)):
-        with_kv(model, ("f32", kv[1]))  # the small model's 8-dim heads: q8_0 needs 32
+    for model in (ref.load_model(wide), load_engine(wide, threads=1)):
+        with_kv(model, kv)
         cache = model.new_cache(12)
         model.forward(Batch.single(list(range(3, 15)), cache), cache)
         model.shift(cache, 0, 2, 5)
