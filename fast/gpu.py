@@ -309,12 +309,14 @@ def _sum_rows(out, part):
 
 @cuda.jit
 def _store_kv(cache, x, pos0):
-    """cache[kv, pos0 + t, e] = x[t, kv, e], elementwise (fast.cpu.store_kv).  cache: [K, room, E]; x: [T, K, E]."""
+    """Thread (t, kv): cache[kv, pos0 + t] = x[t, kv] (fast.cpu.store_kv; a row a thread: a step writes T K rows of
+    E floats, too few to spread wider).  cache: [K, room, E]; x: [T, K, E]."""
     i = cuda.grid(1)
     T, K, E = x.shape
-    if i < T * K * E:
-        t, kv, e = i // (K * E), i // E % K, i % E
-        cache[kv, pos0 + t, e] = x[t, kv, e]
+    if i < T * K:
+        t, kv = i // K, i % K
+        for e in range(E):
+            cache[kv, pos0 + t, e] = x[t, kv, e]
 
 
 @cuda.jit
@@ -457,8 +459,9 @@ def attention(out, q, k, v, pos0):
 
 def store_kv(cache, x, pos0):
     """Same contract as fast.cpu.store_kv."""
-    if x.size:
-        _store_kv[(x.size + TILE - 1) // TILE, TILE](cache, x, pos0)
+    rows = x.shape[0] * x.shape[1]
+    if rows:
+        _store_kv[(rows + TILE - 1) // TILE, TILE](cache, x, pos0)
 
 
 def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):

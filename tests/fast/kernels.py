@@ -480,8 +480,7 @@ SHAPES = [
     ("decode_attention_block", dict(T=1, S=9, H=4, K=2, E=8, D=19), False),
     ("decode_attention_block", dict(T=5, S=12, H=6, K=3, E=8, D=33), False),
     ("decode_attention_block", dict(T=3, S=1300, H=4, K=2, E=8, D=19), False),  # tokens of one and several items
-    ("decode_attention_block", dict(T=3, S=700, H=4, K=2, E=32, D=19, kv=("q8_0", "q8_0")), False),
-    ("decode_attention_block", dict(T=3, S=300, H=8, K=2, E=32, D=19, kv=("f16", "bf16")), False),
+    ("decode_attention_block", dict(T=3, S=700, H=8, K=2, E=32, D=19, kv=("f16", "bf16")), False),
     ("decode_attention_block", dict(T=3, S=6, H=2, K=2, E=4, D=9, norm="layer", bias=True), False),
     ("decode_attention_block", dict(T=4, S=9, H=4, K=2, E=8, D=19, qk_norm=True), False),
     ("ffn_batch_block", dict(T=5, F=40, D=19, R=8, kind="relu"), False),
