@@ -25,7 +25,7 @@ import numpy as np
 from fast.sampling import sample as fast_sample
 from ref.common.batch import Batch
 from ref.common.errors import UserError
-from ref.common.sampling import REPEAT_LAST_N, apply_repeat_penalty, shift_keep
+from ref.common.sampling import REPEAT_LAST_N, apply_repeat_penalty, check_keep, shift_keep
 
 
 @dataclass
@@ -171,8 +171,7 @@ class Scheduler:
             raise UserError(f"-b/--batch-size must be >= 1, got {batch_size}")
         if max_queue < 0:
             raise UserError(f"--max-queue must be >= 0, got {max_queue}")
-        if keep < -1:
-            raise UserError(f"--keep must be >= 0, or -1 (the whole prompt), got {keep}")
+        check_keep(keep)
         self.context_shift, self.keep = context_shift, keep  # llama.cpp's --context-shift, --keep
         self.load, self.slots, self.ctx_size, self.batch_size = load, slots, ctx_size, batch_size
         self.waiting: queue.Queue = queue.Queue()  # accepted requests not yet in a slot (at most max_queue + free slots)

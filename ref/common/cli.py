@@ -18,7 +18,8 @@ from ref.common.batch import KV_DEFAULT, KV_FORMATS
 from ref.common.errors import Terminated, UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c, terminate
 from ref.common.formats import FORMATS
 from ref.common.gguf_io import is_gguf
-from ref.common.sampling import REPEAT_LAST_N, Timings, check_prompt, check_sampling, generate, shift_keep
+from ref.common.sampling import (REPEAT_LAST_N, Timings, check_keep, check_prompt, check_sampling, generate,
+                                  shift_keep)
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny-relu-llama"
 DEFAULT_PROMPT = "once upon a time"
@@ -57,8 +58,7 @@ class Generation:
             raise UserError(f"-s/--seed must be >= 0, or -1 (random), got {self.seed}")
         if self.batch_size < 1:
             raise UserError(f"-b/--batch-size must be >= 1, got {self.batch_size}")
-        if self.keep < -1:
-            raise UserError(f"--keep must be >= 0, or -1 (the whole prompt), got {self.keep}")
+        check_keep(self.keep)
         self.model_dir = resolve_model(self.model_dir, self.model)
         if self.prompt is not None and self.prompt_file is not None:
             raise UserError("-p/--prompt and -f/--file both give a prompt: pass one")

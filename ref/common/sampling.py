@@ -46,6 +46,11 @@ def check_prompt(ids, cfg, ctx_size=None) -> int:
     return ctx
 
 
+def check_keep(keep: int) -> None:
+    if keep < -1:
+        raise UserError(f"--keep must be >= 0, or -1 (the whole prompt), got {keep}")
+
+
 def shift_keep(n_prompt: int, ctx: int, keep: int) -> int:
     """The positions a context shift keeps (--keep of the prompt; -1: all of it); one must be left to drop."""
     keep = min(n_prompt if keep < 0 else keep, n_prompt)
