@@ -77,7 +77,8 @@ def parse_params(body: dict, chat: bool) -> tuple[Params, bool]:
         presence_penalty=field(body, "presence_penalty", float, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         frequency_penalty=field(body, "frequency_penalty", float, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
         seed=None if seed is None or seed < 0 else seed,
-        stop=tuple(stop or ()), logprobs=logprobs, ignore_eos=field(body, "ignore_eos", bool, False))
+        stop=tuple(stop or ()), logprobs=logprobs, ignore_eos=field(body, "ignore_eos", bool, False),
+        cache_prompt=field(body, "cache_prompt", bool, True))
     return p, field(body, "stream", bool, False)
 
 
@@ -131,12 +132,14 @@ class Shape:
     @staticmethod
     def usage(stats: dict) -> dict:
         return {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"],
-                "total_tokens": stats["prompt_tokens"] + stats["completion_tokens"]}
+                "total_tokens": stats["prompt_tokens"] + stats["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": stats["cached_tokens"]}}
 
     @staticmethod
     def timings(stats: dict) -> dict:
         pn, pm, n, m = stats["prompt_tokens"], stats["prompt_ms"], stats["completion_tokens"], stats["predicted_ms"]
-        return {"prompt_n": pn, "prompt_ms": pm, "prompt_per_second": pn / pm * 1e3 if pm else 0.0,
+        pn -= stats["cached_tokens"]  # llama.cpp's prompt_n: the prompt tokens processed, cache_n those reused
+        return {"cache_n": stats["cached_tokens"], "prompt_n": pn, "prompt_ms": pm, "prompt_per_second": pn / pm * 1e3 if pm else 0.0,
                 "predicted_n": n, "predicted_ms": m, "predicted_per_second": n / m * 1e3 if m else 0.0,
                 "queued_ms": stats["queued_ms"]}
 

@@ -11,6 +11,9 @@ int8 quants and q4_0 as nibble bytes (llama.cpp's order), each with float32 bloc
 weight is built. One source per kernel: the format is a runtime argument, uniform over a launch, and every branch
 types for every q (float32 or an integer). As in fast.cpu, products with q8_0 and q4_0 weights read the token
 rounded to Q8_0 (ref.quant.input_values), here as float values.
+A KV cache slot on the device holds the host's bytes (ref.common.batch.KVCache) in a plain dtype that names the
+format (`KV_DTYPES`): float32, float16 (f16: the hardware's round-to-nearest-even conversion, numpy's), uint16 bits
+(bf16) or bytes (q8_0 blocks of 34: the scale's f16 bits little-endian, then 32 int8 quants).
 
 Dimensions: T tokens, S cached positions, D d_model, F FFN neurons, H/K query/key-value heads, E head dim,
 N output rows, R predictor hidden size.
@@ -20,10 +23,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, float64, int32
 
 from fast.cpu import activation_py, kept_py
 from fast.quant import layout_of, plain
+from ref.common.formats import FORMATS, Format
 
 KINDS = {"f32": 0, "q8_0": 1, "q4_0": 2, "f16": 3, "bf16": 4}  # a Weight's kind, per ref.common.formats name
 QUANTIZED = (1, 2)
@@ -31,6 +35,9 @@ QUANTIZED = (1, 2)
 # with biased exponent e, entry 0 that of the subnormals. Multiplying by them is exact (no FTZ without fastmath).
 POW2_F16 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
 POW2_BF16 = np.array([2.0 ** -133] + [2.0 ** (e - 134) for e in range(1, 256)], np.float32)
+
+KV_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "q8_0": np.uint8}  # a device KV slot's, per format
+KV_KIND = {np.dtype(t): KINDS[name] for name, t in KV_DTYPES.items()}
 
 THREADS = 256  # threads per block for row reductions (a power of two)
 TILE = 256  # threads per block for elementwise and column kernels
@@ -92,7 +99,12 @@ def elem(q, d, kind, r, k):
     if kind == 2:  # element k of a block: low nibble of byte k % 16 for k % 32 < 16, else the high one
         b = int32(q[r, (k // 32) * 16 + k % 16])
         return float32(((b >> (4 * ((k % 32) // 16))) & 15) - 8) * d[r, k // 32]
-    b = int32(q[r, k])
+    return half(int32(q[r, k]), kind)
+
+
+@cuda.jit(device=True, inline=True)
+def half(b, kind):
+    """The float32 value of 16 bits b: an IEEE half (kind 3) or a bf16 (kind 4)."""
     if kind == 3:  # IEEE half: sign, 5 exponent bits e, 10 mantissa bits m; (1024 + m) 2^(e - 25), or m 2^-24
         e, m = (b >> 10) & 31, b & 1023
         v = float32(m) * POW2_F16[0] if e == 0 else float32(1024 + m) * POW2_F16[e]
@@ -100,6 +112,25 @@ def elem(q, d, kind, r, k):
         e, m = (b >> 7) & 255, b & 127
         v = float32(m) * POW2_BF16[0] if e == 0 else float32(128 + m) * POW2_BF16[e]
     return -v if b & 32768 else v
+
+
+@cuda.jit(device=True, inline=True)
+def half_bits(x, kind):
+    """The 16 bits of float32 x rounded to nearest even as an IEEE half (kind 3) or a bf16 (kind 4), without bit
+    casts: |x| = f 2^n (frexp), the significand rounded to the format's M bits, ties to even (a carry raises the
+    exponent); subnormals in steps of the format's least value; beyond its range, infinity."""
+    M, bias, top = (10, 15, 31) if kind == 3 else (7, 127, 255)
+    sign = 32768 if math.copysign(float32(1.0), x) < 0 else 0
+    f, n = math.frexp(abs(float64(x)))  # f in [0.5, 1)
+    if f == 0:
+        return sign
+    exp = max(n - 1 + bias, 0)
+    y = f * float64(2 << M) if exp else math.ldexp(f, n + bias + M - 1)  # 1.m 2^M, or m at the least step: exact
+    r = math.floor(y + 0.5)
+    if r - y == 0.5 and int32(r) % 2 == 1:
+        r -= 1.0
+    bits = exp * (1 << M) + int32(r) - (1 << M if exp else 0)
+    return sign + min(bits, top << M)
 
 
 @cuda.jit
@@ -223,9 +254,23 @@ def _rope(out, x, cos, sin, pos0):
         out[t, h, j + half] = b * cos[p, j] + a * sin[p, j]
 
 
+@cuda.jit(device=True, inline=True)
+def kv_elem(c, kind, kv, s, e):
+    """Element e of position s of head kv of a device KV slot in its format (`KV_DTYPES`), as float32: what
+    ref.model.kv_values says it means."""
+    if kind == 0 or kind == 3:  # f32, or float16 (converted exactly)
+        return float32(c[kv, s, e])
+    if kind == 4:
+        return half(int32(c[kv, s, e]), 4)
+    o = (e // 32) * 34  # q8_0: the block's scale bits, then its quants
+    q = int32(c[kv, s, o + 2 + e % 32])
+    return float32(q - 256 if q > 127 else q) * half(int32(c[kv, s, o]) + (int32(c[kv, s, o + 1]) << 8), 3)
+
+
 @cuda.jit
-def _attention(out, q, k, v, pos0, scores):
-    """Block (t, h): scores over visible positions, softmax through shared reductions, then out = p v."""
+def _attention(out, q, k, v, kk, vk, pos0, scores):
+    """Block (t, h): scores over visible positions, softmax through shared reductions, then out = p v; keys and
+    values read in their formats (kinds kk, vk)."""
     buf = cuda.shared.array(THREADS, float32)
     th = cuda.blockIdx.x
     T, H, E = q.shape
@@ -238,7 +283,7 @@ def _attention(out, q, k, v, pos0, scores):
     for s in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         acc = float32(0.0)
         for e in range(E):
-            acc += q[t, h, e] * k[kv, s, e]
+            acc += q[t, h, e] * kv_elem(k, kk, kv, s, e)
         acc *= scale
         scores[th, s] = acc
         m = max(m, acc)
@@ -252,7 +297,7 @@ def _attention(out, q, k, v, pos0, scores):
     for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
         acc = float32(0.0)
         for s in range(n):
-            acc += scores[th, s] * v[kv, s, e]
+            acc += scores[th, s] * kv_elem(v, vk, kv, s, e)
         out[t, h, e] = acc / total
 
 
@@ -308,15 +353,35 @@ def _sum_rows(out, part):
 
 
 @cuda.jit
-def _store_kv(cache, x, pos0):
-    """Thread (t, kv): cache[kv, pos0 + t] = x[t, kv] (fast.cpu.store_kv; a row a thread: a step writes T K rows of
-    E floats, too few to spread wider).  cache: [K, room, E]; x: [T, K, E]."""
+def _store_kv(cache, x, pos0, kind):
+    """Thread (t, kv): cache[kv, pos0 + t] = x[t, kv] in the cache's format (fast.cpu.store_kv, ref.model.kv_store;
+    a row a thread: a step writes T K rows, too few to spread wider): f32 as is, f16 by the hardware's conversion,
+    bf16 bits rounded to nearest even, q8_0 blocks as _quantize_rows rounds them.  cache: [K, room, E']; x: [T, K, E]."""
     i = cuda.grid(1)
     T, K, E = x.shape
     if i < T * K:
         t, kv = i // K, i % K
-        for e in range(E):
-            cache[kv, pos0 + t, e] = x[t, kv, e]
+        p = pos0 + t
+        if kind == 0 or kind == 3:
+            for e in range(E):
+                cache[kv, p, e] = x[t, kv, e]
+        elif kind == 4:
+            for e in range(E):
+                cache[kv, p, e] = half_bits(x[t, kv, e], 4)
+        else:
+            for b in range(E // 32):
+                amax = float32(0.0)
+                for e in range(b * 32, b * 32 + 32):
+                    amax = max(amax, abs(x[t, kv, e]))
+                dq = amax / float32(127.0)
+                inv = float32(1.0) / dq if dq != 0 else float32(0.0)
+                bits = half_bits(dq, 3)
+                cache[kv, p, b * 34] = bits & 255
+                cache[kv, p, b * 34 + 1] = bits >> 8
+                for j in range(32):
+                    y = x[t, kv, b * 32 + j] * inv
+                    r = int32(math.floor(abs(y) + float32(0.5)))
+                    cache[kv, p, b * 34 + 2 + j] = (r if y >= 0 else -r) & 255
 
 
 @cuda.jit
@@ -451,17 +516,33 @@ def rope(out, x, cos, sin, pos0):
         _rope[(n + TILE - 1) // TILE, TILE](out, x, cos, sin, pos0)
 
 
+def kv_plain(a):
+    """A host KV array in its format's storage (KVCache's) as the device holds it: the same bytes in `KV_DTYPES`'
+    dtype; a device array as it is."""
+    if not isinstance(a, np.ndarray) or a.dtype.names is None:
+        return a
+    return a.view(KV_DTYPES[next(f.name for f in FORMATS.values() if f.dtype == a.dtype)])
+
+
+def kv_host(a, fmt: Format) -> np.ndarray:
+    """A device KV array copied to the host in `fmt`'s storage (KVCache's)."""
+    return a.copy_to_host() if fmt.name == "f32" else a.copy_to_host().view(fmt.dtype)
+
+
 def attention(out, q, k, v, pos0):
-    """Same contract as fast.cpu.attention.  k, v: [K, S, E]."""
+    """Same contract as fast.cpu.attention.  k, v: [K, S, E'] in KV formats."""
     T, H = q.shape[0], q.shape[1]
-    _attention[T * H, THREADS](out, q, k, v, pos0, scratch("attn_scores", (T * H, min(k.shape[1], pos0 + T))))
+    k, v = kv_plain(k), kv_plain(v)
+    _attention[T * H, THREADS](out, q, k, v, KV_KIND[k.dtype], KV_KIND[v.dtype], pos0,
+                               scratch("attn_scores", (T * H, min(k.shape[1], pos0 + T))))
 
 
 def store_kv(cache, x, pos0):
     """Same contract as fast.cpu.store_kv."""
     rows = x.shape[0] * x.shape[1]
+    cache = kv_plain(cache)
     if rows:
-        _store_kv[(rows + TILE - 1) // TILE, TILE](cache, x, pos0)
+        _store_kv[(rows + TILE - 1) // TILE, TILE](cache, x, pos0, KV_KIND[cache.dtype])
 
 
 def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
@@ -540,7 +621,7 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo
     score weights and thresholds of attn_in and attn_out: w0, t0, w1, t1), activation sparsity as
     fast.engine.Engine.thinned_attention: wqkv and wo are the stored transposes, each read input-sparse."""
     T, D = h.shape
-    K, E = k_cache.shape[0], k_cache.shape[2]
+    K, E = k_cache.shape[0], 2 * cos.shape[1]
     W = weight(wqkv)
     H = (W.rows if thin is None else W.cols) // E - 2 * K
     x = scratch("attn_x", (T, D))

@@ -154,13 +154,15 @@ class HybridEngine(Decoder):
         """Each layer's keys and values where its attention runs: no host cache for a layer attending on the GPU."""
         def alloc(shape, dtype, l):
             zeros = np.zeros(shape, dtype)
-            return zeros if self.gpu_layers[l].attention is None else cuda.to_device(zeros)
+            return zeros if self.gpu_layers[l].attention is None else cuda.to_device(gpu.kv_plain(zeros))
 
-        def copy(dst, src):  # a slot growing: its keys move within the host or within the device
-            if isinstance(dst, np.ndarray):
+        def copy(dst, src):  # a slot growing, or a cached prefix stored or restored: host or device, either way
+            if not isinstance(dst, np.ndarray):
+                dst.copy_to_device(gpu.kv_plain(src))
+            elif isinstance(src, np.ndarray):
                 dst[...] = src
             else:
-                dst.copy_to_device(src)
+                src.copy_to_host(gpu.kv_plain(dst))
         return KVCache.empty(self.config, capacity or self.config.max_seq_len, F32, slots, alloc, copy, self.kv_types)
 
     def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
@@ -168,13 +170,13 @@ class HybridEngine(Decoder):
         device = [l for l in range(self.config.n_layers) if self.gpu_layers[l].attention is not None]
         held = {l: (cache.k[l][seq], cache.v[l][seq]) for l in device}
         for l in device:
-            cache.k[l][seq], cache.v[l][seq] = held[l][0].copy_to_host(), held[l][1].copy_to_host()
+            cache.k[l][seq], cache.v[l][seq] = (gpu.kv_host(a, fmt) for a, fmt in zip(held[l], cache.formats))
         try:
             super().shift(cache, seq, keep, discard)
         finally:
             for l in device:
-                held[l][0].copy_to_device(cache.k[l][seq])
-                held[l][1].copy_to_device(cache.v[l][seq])
+                held[l][0].copy_to_device(gpu.kv_plain(cache.k[l][seq]))
+                held[l][1].copy_to_device(gpu.kv_plain(cache.v[l][seq]))
                 cache.k[l][seq], cache.v[l][seq] = held[l]
 
     def cpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache) -> np.ndarray:

@@ -72,18 +72,8 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
     elif run is None and cut is None:
         dense_ffn(engine)
-    set_kv_types(engine, kv)
+    engine.kv_types = tuple(f.name for f in kv)
     engine.warm_up(notice)
-    return engine
-
-
-def set_kv_types(engine: Decoder, formats: tuple[Format, Format]) -> Decoder:
-    """The formats the engine's new caches store keys and values in; the layers attending on the GPU read f32
-    only."""
-    if getattr(engine, "n_gpu_layers", 0) and any(f.name != "f32" for f in formats):
-        raise UserError(f"-ctk {formats[0].name} -ctv {formats[1].name}: layers attending on the GPU keep their KV "
-                        f"cache in f32 (pass -ctk f32 -ctv f32, or --device cpu)")
-    engine.kv_types = tuple(f.name for f in formats)
     return engine
 
 

@@ -3,7 +3,8 @@ queue, take a KV-cache slot when one is free, and share each step with the other
 
 A step is one `forward` over a batch of runs: each generating request's last sampled token (decodes first, so that
 they keep their pace), then pending prompt tokens up to `batch_size` in all (a long prompt is fed in chunks over
-several steps, beside the running decodes). A request whose prompt is complete samples its next token from its run's
+several steps, beside the running decodes; a prompt that begins as one seen before starts from the prefix cache's
+copy of those positions, `ref.common.prefix`). A request whose prompt is complete samples its next token from its run's
 logits with its own sampler and seed, so its text does not depend on what ran beside it. Text comes out through
 `TextStream` (whole UTF-8 characters, stop strings cut and never emitted) as events the HTTP layer reads:
 `("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message, http_status)`. A cancelled
@@ -22,9 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fast.load import memory_available
 from fast.sampling import sample as fast_sample
 from ref.common.batch import Batch
 from ref.common.errors import UserError
+from ref.common.prefix import PrefixCache
 from ref.common.sampling import REPEAT_LAST_N, apply_repeat_penalty, check_keep, shift_keep
 
 
@@ -45,6 +48,10 @@ class Params:
     stop: tuple[str, ...] = ()
     logprobs: int = 0  # how many top alternatives to report per token (0: no logprobs)
     ignore_eos: bool = False
+    cache_prompt: bool = True  # llama.cpp's: reuse cached positions of the prompt's beginning, and cache it
+
+
+DEFAULT_CACHE_RAM = 8192  # MiB, llama.cpp's --cache-ram
 
 
 class QueueFull(Exception):
@@ -121,6 +128,8 @@ class Request:
     # engine-side state
     slot: int = -1
     fed: int = 0
+    cached: int = 0  # prompt positions restored from the prefix cache
+    shifted: bool = False  # its slot no longer holds its tokens at their positions (a context shift)
     out: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     stream: TextStream | None = None
@@ -128,6 +137,18 @@ class Request:
     queued_at: float = 0.0
     started_at: float = 0.0
     first_token_at: float = 0.0
+
+
+def cache_budget(mib: float | None) -> int:
+    """Bytes of prefix cache for --cache-ram MiB, after the model is loaded: None gives llama.cpp's default of
+    8,192 MiB or half the memory still available, whichever is less; more than is available is refused."""
+    have = memory_available()
+    if mib is None:
+        return min(DEFAULT_CACHE_RAM << 20, have // 2)
+    if mib * 2**20 > have:
+        raise UserError(f"--cache-ram {mib:g} MiB: only {have / 2**20:.0f} MiB of memory is available with the model "
+                        f"loaded")
+    return int(mib * 2**20)
 
 
 def failure(e: Exception) -> str:
@@ -164,7 +185,7 @@ class Scheduler:
     context belong to the thread that sets them) and returns (engine, tokenizer)."""
 
     def __init__(self, load, slots: int, ctx_size: int | None, batch_size: int = 512, max_queue: int = 64,
-                 context_shift: bool = False, keep: int = 0):
+                 context_shift: bool = False, keep: int = 0, cache_ram: float | None = 0):
         if slots < 1:
             raise UserError(f"-np/--parallel must be >= 1, got {slots}")
         if batch_size < 1:
@@ -172,6 +193,10 @@ class Scheduler:
         if max_queue < 0:
             raise UserError(f"--max-queue must be >= 0, got {max_queue}")
         check_keep(keep)
+        if cache_ram is not None and not cache_ram >= 0:
+            raise UserError(f"--cache-ram must be >= 0 MiB (0: no prefix cache), got {cache_ram:g}")
+        self.cache_ram = cache_ram  # MiB of prefix cache (None: the default, cache_budget)
+        self.prefix: PrefixCache | None = None
         self.context_shift, self.keep = context_shift, keep  # llama.cpp's --context-shift, --keep
         self.load, self.slots, self.ctx_size, self.batch_size = load, slots, ctx_size, batch_size
         self.waiting: queue.Queue = queue.Queue()  # accepted requests not yet in a slot (at most max_queue + free slots)
@@ -268,6 +293,8 @@ class Scheduler:
             self.cache = self.engine.new_cache(self.ctx, slots=self.slots)
             for s in range(self.slots):
                 self.cache.free(s)
+            budget = cache_budget(self.cache_ram)
+            self.prefix = PrefixCache(budget) if budget else None
         except BaseException as e:  # the HTTP layer reports it on /health
             self.failed = e
             return
@@ -302,6 +329,10 @@ class Scheduler:
             r.rng = np.random.default_rng(r.params.seed)
             self.running.append(r)
             self.metrics["requests_total"] += 1
+            if self.prefix is not None and r.params.cache_prompt:  # the last prompt token runs: its logits
+                r.fed = r.cached = self.alone(r, self.prefix.restore, self.cache, r.slot, r.prompt,
+                                              len(r.prompt) - 1) or 0
+                self.metrics["prompt_tokens_cached_total"] += r.cached
 
     def step(self) -> None:
         """One forward: decodes first, then prompt chunks within the batch budget; then each request whose prompt is
@@ -311,7 +342,7 @@ class Scheduler:
         for r in [r for r in self.running if r.fed == len(r.prompt) and self.cache.lengths[r.slot] == self.ctx]:
             self.alone(r, self.shift, r)  # a full slot that next_token let go on
         decoding = [r for r in self.running if r.fed == len(r.prompt)]
-        runs, sampled = [(r.slot, [r.out[-1]]) for r in decoding], list(decoding)
+        runs, sampled, prompted = [(r.slot, [r.out[-1]]) for r in decoding], list(decoding), []
         budget = self.batch_size - len(runs)
         for r in self.running:
             if r.fed < len(r.prompt) and budget > 0:
@@ -322,6 +353,7 @@ class Scheduler:
                 self.metrics["prompt_tokens_total"] += len(chunk)
                 if r.fed == len(r.prompt):
                     sampled.append(r)
+                    prompted.append(r)
         if not runs:
             return
         t0 = time.perf_counter()
@@ -330,6 +362,9 @@ class Scheduler:
         self.metrics["decode_steps_total"] += 1
         for r in [r for r in sampled if r.slot not in logits]:
             sampled.remove(r)
+        for r in prompted:  # its prompt's positions, for the requests that begin as it does
+            if r in sampled:
+                self.cache_prefix(r, r.prompt)
         rows = np.stack([logits[r.slot] for r in sampled]) if sampled else np.empty((0, 1), np.float32)  # [B, V]
         for r, t, z in zip(sampled, self.sample_each(sampled, rows), rows):
             if t >= 0:
@@ -428,10 +463,24 @@ class Scheduler:
     def shift(self, r: Request) -> None:
         """Request r's full slot shifted (llama.cpp's context shift): the kept positions stay, half the rest go."""
         keep = self.kept(r)
+        r.shifted = True
         self.engine.shift(self.cache, r.slot, keep, (self.ctx - keep) // 2)
 
+    def cache_prefix(self, r: Request, tokens: list[int]) -> None:
+        """Request r's slot's positions of `tokens` (those it holds) into the prefix cache. A failure here costs
+        later requests their reuse, never this one its answer: counted, not raised."""
+        if self.prefix is None or not r.params.cache_prompt or r.shifted:
+            return
+        try:
+            self.prefix.store(self.cache, r.slot, tokens[:int(self.cache.lengths[r.slot])])
+        except Exception:
+            self.metrics["prefix_cache_errors_total"] += 1
+
     def finish(self, r: Request, reason: str | None, error: str | None = None, flush: bool = True) -> None:
-        """Free the request's slot; tell its reader why it ended (nothing for a cancelled request)."""
+        """Free the request's slot, its positions kept in the prefix cache if it ended well; tell its reader why it
+        ended (nothing for a cancelled request)."""
+        if reason is not None and error is None:
+            self.cache_prefix(r, r.prompt + r.out)
         self.cache.free(r.slot)
         self.running.remove(r)
         if error is not None:
@@ -445,6 +494,6 @@ class Scheduler:
         end = time.perf_counter()
         first = r.first_token_at or end
         self.send(r, ("done", reason, {
-            "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "text": r.stream.text[:r.stream.shown],
+            "prompt_tokens": len(r.prompt), "cached_tokens": r.cached, "completion_tokens": len(r.out), "text": r.stream.text[:r.stream.shown],
             "logprobs": r.logprobs, "prompt_ms": (first - r.started_at) * 1e3, "predicted_ms": (end - first) * 1e3,
             "queued_ms": (r.started_at - r.queued_at) * 1e3}))

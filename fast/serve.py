@@ -63,7 +63,8 @@ def chat_template(path: Path, tokenizer) -> ChatTemplate:
 
 def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: int, alias: str | None,
             api_key: str | None, host: str = "127.0.0.1", host_allow=(), max_body: int = MAX_BODY, cors=(),
-            context_shift: bool = False, keep: int = 0, **engine_options) -> tuple[Server, object]:
+            context_shift: bool = False, keep: int = 0, cache_ram: float | None = None,
+            **engine_options) -> tuple[Server, object]:
     """A started scheduler, which loads the model on its engine thread (fast.load.load_engine with `engine_options`),
     and the application over it: what fast.serve and each fast.replicas replica run."""
     from fast.engine import free_cores
@@ -82,7 +83,7 @@ def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: i
             raise UserError(f"-c/--ctx-size {ctx_size} exceeds the model's context of {engine.config.max_seq_len}")
         return engine, tokenizer
 
-    scheduler = Scheduler(load, slots, ctx_size or None, batch_size, max_queue, context_shift, keep)
+    scheduler = Scheduler(load, slots, ctx_size or None, batch_size, max_queue, context_shift, keep, cache_ram)
     server = Server(scheduler.start(), path, alias or path.name,
                     api_key, template, longest_piece, host_names(host, host_allow), max_body, tuple(cors))
     return server, create_app(server)
@@ -194,6 +195,9 @@ def create_app(server: Server):
             ("requests_total", "counter", m["requests_total"], "requests that took a slot"),
             ("requests_rejected_total", "counter", m["requests_rejected_total"], "requests refused, the queue full"),
             ("prompt_tokens_total", "counter", m["prompt_tokens_total"], "prompt tokens processed"),
+            ("prompt_tokens_cached_total", "counter", m["prompt_tokens_cached_total"],
+             "prompt tokens restored from the prefix cache"),
+            ("prefix_cache_bytes", "gauge", sched.prefix.nbytes if sched.prefix else 0, "bytes the prefix cache holds"),
             ("tokens_predicted_total", "counter", m["tokens_predicted_total"], "tokens generated"),
             ("decode_steps_total", "counter", m["decode_steps_total"], "forward steps"),
             ("forward_seconds_total", "counter", seconds, "seconds spent in forward steps"),
@@ -360,6 +364,9 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
               help="When a slot's context fills, drop half of its tokens after --keep and go on (llama.cpp's).")
 @click.option("--keep", type=int, default=0, show_default=True,
               help="Tokens of each prompt a context shift keeps (-1: all of it).")
+@click.option("--cache-ram", type=float, default=None, metavar="MiB",
+              help="Prefix cache: MiB of prompts' keys and values kept for requests that begin the same way (0: off) "
+                   "[default: 8192, or half the memory available after loading, whichever is less].")
 @kv_cache_options
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a slot; beyond them the server answers 503 with Retry-After.")
@@ -387,8 +394,8 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
 @click.option("--shutdown-timeout", type=float, default=10.0, show_default=True,
               help="On SIGINT or SIGTERM, seconds running requests may go on before they end with their final event.")
 @user_errors
-def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shift, keep, cache_type_k, cache_type_v,
-         max_queue, threads, device, type_, dense, predictors, vram_budget, sparsity, sparsity_method, sparsity_file,
+def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shift, keep, cache_ram, cache_type_k,
+         cache_type_v, max_queue, threads, device, type_, dense, predictors, vram_budget, sparsity, sparsity_method, sparsity_file,
          alias, api_key, api_key_file, host_allow, cors, max_body, shutdown_timeout):
     """Serve MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) over OpenAI's HTTP API."""
     try:
@@ -417,7 +424,7 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shif
         except OSError as e:
             raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
     server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, host, host_allow,
-                          int(max_body * 2**20), cors, context_shift, keep, device=device, predictors=default_predictors(path, predictors, dense),
+                          int(max_body * 2**20), cors, context_shift, keep, cache_ram, device=device, predictors=default_predictors(path, predictors, dense),
                           threads=threads, type_=type_, vram_budget=vram_budget, sparsity=sparsity,
                           sparsity_method=sparsity_method, sparsity_file=sparsity_file,
                           cache_types=cache_types(cache_type_k, cache_type_v))

@@ -1,7 +1,10 @@
 """Load benchmark of `python -m fast.serve`: one streaming client alone, then C concurrent streaming clients, each
 asking for N tokens (ignore_eos, so every client gets all N); time to first token and inter-token latency per token
 as the client sees them; optionally R sequential requests with the server's resident memory after the first 50 and
-after all. Starts its own server on a free port (or measures --url). Prints a table; --json writes the numbers."""
+after all. With --shared-prefix P every prompt begins with the same P tokens (a system prompt), and each round runs
+both ways, `cache_prompt` false (cold) and true (the prefix cache): TTFT of one client and tok/s of C clients, cold
+against cached. Starts its own server on a free port (or measures --url). Prints a table; --json writes the
+numbers."""
 
 import asyncio
 import json
@@ -61,7 +64,7 @@ async def read_stream(host: str, port: int, prefix: str, head: str, body: bytes)
 
 
 async def stream_one(host: str, port: int, headers: dict, prompt: str, n: int, seed: int, prefix: str = "",
-                     timeout: float = 600) -> dict:
+                     timeout: float = 600, cache_prompt: bool = True) -> dict:
     """One streaming completion: seconds to the first token and between tokens, tokens, wall seconds.
 
     HTTP/1.1 and the event stream read off an asyncio socket here, not through an HTTP client library: the load
@@ -69,7 +72,7 @@ async def stream_one(host: str, port: int, headers: dict, prompt: str, n: int, s
     16 clients, taken from the server it measures), this 30 us. A request that fails, or does not end within
     `timeout` seconds, comes back as {"error": ...}."""
     body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True, "temperature": 0.8,
-                       "seed": seed}).encode()
+                       "seed": seed, "cache_prompt": cache_prompt}).encode()
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     t0 = time.perf_counter()
     try:
@@ -83,22 +86,26 @@ async def stream_one(host: str, port: int, headers: dict, prompt: str, n: int, s
     return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "seconds": end - t0}
 
 
-async def load(url: str, headers: dict, clients: int, tokens: int, rounds: int) -> list[tuple[dict, list, float]]:
-    """`rounds` times: one client alone, then `clients` at once, as asyncio tasks of this one process (threads in
-    Python would measure the load generator). Interleaved rounds, since a shared machine's speed drifts within a
-    minute."""
+async def load(url: str, headers: dict, clients: int, tokens: int, rounds: int, shared: str = "",
+               ways: tuple = (True,)) -> dict:
+    """`rounds` times, each way of `ways` (cache_prompt true, false): one client alone, then `clients` at once, as
+    asyncio tasks of this one process (threads in Python would measure the load generator); every prompt begins with
+    `shared`. Interleaved rounds, since a shared machine's speed drifts within a minute. {way: [(alone, runs, wall)]}"""
     where = urlsplit(url)
     if where.scheme != "http" or not where.hostname:
         raise SystemExit(f"--url: an http://host:port address, got {url!r}")
     host, port, prefix = where.hostname, where.port or 80, where.path.rstrip("/")
-    out = []
-    await stream_one(host, port, headers, "warm up", 4, 0, prefix)
+    out = {way: [] for way in ways}
+    await stream_one(host, port, headers, shared + "warm up", 4, 0, prefix)  # the shared prefix cached
     for k in range(rounds):
-        alone = await stream_one(host, port, headers, "once upon a time", tokens, 1 + k, prefix)
-        t0 = time.perf_counter()
-        runs = await asyncio.gather(*[stream_one(host, port, headers, f"once upon a time, story {i}", tokens,
-                                                 i + 100 * k, prefix) for i in range(clients)])
-        out.append((alone, runs, time.perf_counter() - t0))
+        for way in ways:
+            alone = await stream_one(host, port, headers, shared + f"once upon a time, round {k}", tokens, 1 + k,
+                                     prefix, cache_prompt=way)
+            t0 = time.perf_counter()
+            runs = await asyncio.gather(*[stream_one(host, port, headers, shared + f"once upon a time, story {i}",
+                                                     tokens, i + 100 * k, prefix, cache_prompt=way)
+                                          for i in range(clients)])
+            out[way].append((alone, runs, time.perf_counter() - t0))
     return out
 
 
@@ -122,6 +129,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shared_text(url: str, headers: dict, n: int) -> str:
+    """About n tokens of the validation text, cut at a token boundary by the server's own tokenizer."""
+    import httpx
+    text = (ROOT / "data" / "corpus" / "val.txt").read_text()[:16 * n]
+    ids = httpx.post(url + "/tokenize", json={"content": text}, headers=headers, timeout=60).json()["tokens"]
+    if len(ids) < n:
+        raise SystemExit(f"--shared-prefix {n}: the validation text gives only {len(ids)} tokens")
+    return httpx.post(url + "/detokenize", json={"tokens": ids[:n]}, headers=headers, timeout=60).json()["content"]
+
+
+def summary(rounds_: list) -> dict:
+    """Medians over rounds of (alone, runs, wall): one client's tok/s and TTFT, the clients' aggregate tok/s, TTFT
+    and inter-token latency percentiles."""
+    if any("error" in alone for alone, _, _ in rounds_):
+        raise SystemExit(f"one client alone failed: {next(a for a, _, _ in rounds_ if 'error' in a)['error']}")
+    ok = [r for _, runs, _ in rounds_ for r in runs if "error" not in r]
+    one = [alone["tokens"] / alone["seconds"] for alone, _, _ in rounds_]
+    agg = [sum(r["tokens"] for r in runs if "error" not in r) / wall for _, runs, wall in rounds_]
+    ttft = np.array([r["ttft"] for r in ok]) * 1e3
+    itl = np.concatenate([r["itl"] for r in ok]) * 1e3 if ok else np.zeros(1)
+    return {"failed": sum(len(runs) for _, runs, _ in rounds_) - len(ok),
+            "one_client_tok_s": float(np.median(one)), "aggregate_tok_s": float(np.median(agg)),
+            "scaling": float(np.median(np.divide(agg, one))), "runs": {"one_client_tok_s": one, "aggregate_tok_s": agg},
+            "one_client_ttft_ms": float(np.median([alone["ttft"] for alone, _, _ in rounds_]) * 1e3),
+            "one_client_itl_ms": float(np.median(np.concatenate([alone["itl"] for alone, _, _ in rounds_])) * 1e3),
+            "ttft_ms": {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99))},
+            "itl_ms": {"p50": float(np.percentile(itl, 50)), "p99": float(np.percentile(itl, 99))}}
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--url", default=None, help="Measure this server instead of starting one.")
 @click.option("--model", default=None, help="Model for the server it starts [default: the shipped model].")
@@ -131,11 +167,15 @@ def free_port() -> int:
 @click.option("--tokens", type=int, default=64, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Rounds of one client alone then the concurrent clients; tok/s and the scaling are their medians.")
+@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Tokens every prompt begins with; each round then runs cold (cache_prompt false) and cached.")
+@click.option("--cache-ram", type=float, default=None, help="The started server's --cache-ram (MiB).")
 @click.option("--sequential", type=int, default=0, show_default=True,
               help="Also send this many requests one after another and compare resident memory (0: no).")
 @click.option("--api-key", default=None)
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None)
-def main(url, model, slots, threads, clients, tokens, rounds, sequential, api_key, json_file):
+def main(url, model, slots, threads, clients, tokens, rounds, shared_prefix, cache_ram, sequential, api_key,
+         json_file):
     """Aggregate tok/s of concurrent streaming clients against one alone, with latency percentiles."""
     import httpx
     proc = None
@@ -144,6 +184,7 @@ def main(url, model, slots, threads, clients, tokens, rounds, sequential, api_ke
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "fast.serve", *([model] if model else []), "--port", str(port), "-np", str(slots),
                "--max-queue", str(max(clients, 64)), *(["-t", str(threads)] if threads else []),
+               *(["--cache-ram", str(cache_ram)] if cache_ram is not None else []),
                *(["--api-key", api_key] if api_key else [])]
         proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 300
@@ -158,22 +199,12 @@ def main(url, model, slots, threads, clients, tokens, rounds, sequential, api_ke
             time.sleep(0.2)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        rounds_ = run_loop(load(url, headers, clients, tokens, rounds))
-        if any("error" in alone for alone, _, _ in rounds_):
-            raise SystemExit(f"one client alone failed: {next(a for a, _, _ in rounds_ if 'error' in a)['error']}")
-        ok = [r for _, runs, _ in rounds_ for r in runs if "error" not in r]
-        failed = sum(len(runs) for _, runs, _ in rounds_) - len(ok)
-        one = [alone["tokens"] / alone["seconds"] for alone, _, _ in rounds_]
-        agg = [sum(r["tokens"] for r in runs if "error" not in r) / wall for _, runs, wall in rounds_]
-        ttft = np.array([r["ttft"] for r in ok]) * 1e3
-        itl = np.concatenate([r["itl"] for r in ok]) * 1e3 if ok else np.zeros(1)
-        alone_ttft = np.median([alone["ttft"] for alone, _, _ in rounds_]) * 1e3
-        alone_itl = np.median(np.concatenate([alone["itl"] for alone, _, _ in rounds_])) * 1e3
-        out = {"clients": clients, "tokens": tokens, "slots": slots, "rounds": rounds, "failed": failed,
-               "one_client_tok_s": float(np.median(one)), "aggregate_tok_s": float(np.median(agg)),
-               "scaling": float(np.median(np.divide(agg, one))), "runs": {"one_client_tok_s": one, "aggregate_tok_s": agg},
-               "ttft_ms": {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99))},
-               "itl_ms": {"p50": float(np.percentile(itl, 50)), "p99": float(np.percentile(itl, 99))}}
+        shared = shared_text(url, headers, shared_prefix) if shared_prefix else ""
+        ways = (False, True) if shared_prefix else (True,)
+        by_way = {way: summary(r) for way, r in run_loop(load(url, headers, clients, tokens, rounds, shared,
+                                                                ways)).items()}
+        out = {"clients": clients, "tokens": tokens, "slots": slots, "rounds": rounds, "shared_prefix": shared_prefix,
+               **by_way[True]}
         if sequential and proc is not None:
             rss = {}
             for i in range(sequential):
@@ -185,12 +216,28 @@ def main(url, model, slots, threads, clients, tokens, rounds, sequential, api_ke
             out["rss_growth"] = rss[sequential] / rss[min(50, sequential)] - 1
         click.echo("| test | clients | tokens each | failed | tok/s | x one client | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
         click.echo("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        click.echo(f"| one client | 1 | {tokens} | 0 | {np.median(one):.1f} | 1.00 | {alone_ttft:.1f} | {alone_itl:.1f} |")
-        click.echo(f"| concurrent | {clients} | {tokens} | {failed} | {np.median(agg):.1f} | {out['scaling']:.2f} | "
-                   f"{out['ttft_ms']['p50']:.1f} / {out['ttft_ms']['p99']:.1f} | "
-                   f"{out['itl_ms']['p50']:.1f} / {out['itl_ms']['p99']:.1f} |")
+        for way, m in by_way.items():
+            name = "" if not shared_prefix else ", cached" if way else ", cold"
+            click.echo(f"| one client{name} | 1 | {tokens} | 0 | {m['one_client_tok_s']:.1f} | 1.00 | "
+                       f"{m['one_client_ttft_ms']:.1f} | {m['one_client_itl_ms']:.1f} |")
+            click.echo(f"| concurrent{name} | {clients} | {tokens} | {m['failed']} | {m['aggregate_tok_s']:.1f} | "
+                       f"{m['scaling']:.2f} | {m['ttft_ms']['p50']:.1f} / {m['ttft_ms']['p99']:.1f} | "
+                       f"{m['itl_ms']['p50']:.1f} / {m['itl_ms']['p99']:.1f} |")
+        one, agg = out["runs"]["one_client_tok_s"], out["runs"]["aggregate_tok_s"]
         click.echo(f"medians of {rounds} interleaved rounds; one client {min(one):.0f} to {max(one):.0f} tok/s, "
                    f"{clients} clients {min(agg):.0f} to {max(agg):.0f}; x one client is the median of the rounds' ratios")
+        if shared_prefix:
+            cold, warm = by_way[False], by_way[True]
+            out["cold"] = cold
+            out["cached_vs_cold"] = {"one_client_ttft": warm["one_client_ttft_ms"] / cold["one_client_ttft_ms"],
+                                     "aggregate_tok_s": warm["aggregate_tok_s"] / cold["aggregate_tok_s"]}
+            metrics = httpx.get(url + "/metrics", headers=headers, timeout=60).text
+            out["prefix_cache_bytes"] = int(float(next(line.split()[-1] for line in metrics.splitlines()
+                                                       if line.startswith("powerinfer_py:prefix_cache_bytes"))))
+            click.echo(f"shared prefix of {shared_prefix} tokens: cached/cold TTFT of one client "
+                       f"{out['cached_vs_cold']['one_client_ttft']:.2f}x, {clients} clients' tok/s "
+                       f"{out['cached_vs_cold']['aggregate_tok_s']:.2f}x; the prefix cache holds "
+                       f"{out['prefix_cache_bytes'] / 2**20:.1f} MiB")
         if "rss_kib" in out:
             click.echo(f"resident memory after 50 requests {out['rss_kib'][min(50, sequential)] / 1024:.1f} MiB, after "
                        f"{sequential}: {out['rss_kib'][sequential] / 1024:.1f} MiB ({out['rss_growth']:+.1%})")

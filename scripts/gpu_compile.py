@@ -1,7 +1,7 @@
 """Every GPU kernel of fast.gpu compiled for real devices, without one: numba-cuda's NVVM to PTX for each compute
 capability, then NVIDIA's ptxas for the registers, local-memory spills and shared memory per kernel (the `gpu`
 extra brings both from PyPI). The simulator runs kernels as Python and accepts what the real compiler rejects; this
-does not. Prints one row per (kernel, weight format, capability); exits 1 on a compile error, a spill or shared
+does not. Prints one row per (kernel, weight or KV format, capability); exits 1 on a compile error, a spill or shared
 memory above the device's static limit.
 
     python scripts/gpu_compile.py --cc 8.0,9.0
@@ -27,16 +27,18 @@ f32, i32, i64 = types.float32, types.int32, types.int64
 # The weights' element type per format, as gpu.weight() hands them to the kernels (f16 and bf16 bits as uint16,
 # q8_0 quants int8, q4_0 nibble bytes uint8).
 WEIGHTS = {"f32": types.float32, "f16": types.uint16, "bf16": types.uint16, "q8_0": types.int8, "q4_0": types.uint8}
+# A KV slot's element type per format (fast.gpu.KV_DTYPES).
+KV = {"f32": types.float32, "f16": types.float16, "bf16": types.uint16, "q8_0": types.uint8}
 
 
 def a(dtype, ndim):
     return types.Array(dtype, ndim, "C")
 
 
-def signatures(q) -> dict:
-    """Each kernel's argument types as fast.gpu launches it; q the weights' element type (kernels without weights
-    ignore it)."""
-    w = a(q, 2)
+def signatures(fmt: str = "-") -> dict:
+    """Each kernel's argument types as fast.gpu launches it with weights, or a KV cache, in format `fmt` (kernels
+    that read neither ignore it; "-": float32)."""
+    w, kv = a(WEIGHTS.get(fmt, f32), 2), a(KV.get(fmt, f32), 3)
     return {
         "_quantize_rows": (a(f32, 2), a(f32, 2)),
         "_rmsnorm": (a(f32, 2), a(f32, 2), a(f32, 1), f32),
@@ -45,12 +47,12 @@ def signatures(q) -> dict:
         "_add_bias": (a(f32, 2), a(f32, 1)),
         "_rows_dot": (a(f32, 2), a(f32, 2), w, a(f32, 2), i64, types.boolean),
         "_rope": (a(f32, 3), a(f32, 3), a(f32, 2), a(f32, 2), i64),
-        "_attention": (a(f32, 3), a(f32, 3), a(f32, 3), a(f32, 3), i64, a(f32, 2)),
+        "_attention": (a(f32, 3), a(f32, 3), kv, kv, i64, i64, i64, a(f32, 2)),
         "_ffn_gate_up": (a(f32, 1), a(f32, 1), w, a(f32, 2), i64, i64, a(f32, 1), a(i32, 1), i64, f32),
         "_ffn_down": (a(f32, 2), a(f32, 1), w, a(f32, 2), i64, i64, a(i32, 1), i64),
         "_sum_rows": (a(f32, 1), a(f32, 2)),
         "_copy_cols": (a(f32, 2), a(f32, 2), i64),
-        "_store_kv": (a(f32, 3), a(f32, 3), i64),
+        "_store_kv": (kv, a(f32, 3), i64, i64),
         "_thin": (a(f32, 2), a(f32, 2), a(f32, 1), f32),
         "_thin_activations": (a(f32, 2), a(f32, 2), a(f32, 1), i64, f32, a(f32, 1), f32),
         "_union": (a(i32, 1), a(i32, 1), a(f32, 2)),
@@ -59,9 +61,12 @@ def signatures(q) -> dict:
     }
 
 
-def reads_weights(name: str) -> bool:
-    """Whether a kernel's types depend on the weights' format (compiled once per format)."""
-    return signatures(types.uint8)[name] != signatures(f32)[name]
+def formats_of(name: str):
+    """The formats a kernel compiles once each for: the weight formats for one that reads weights, the KV formats for
+    one that reads or writes a KV cache, else one ("-")."""
+    def sig(fmt):
+        return signatures(fmt)[name]
+    return list(WEIGHTS) if sig("q4_0") != sig("-") else list(KV) if sig("q8_0") != sig("-") else ["-"]
 
 
 def kernels() -> dict:
@@ -102,7 +107,7 @@ def compile_one(name: str, fmt: str, cc: tuple) -> tuple[dict | None, list]:
     row = {"kernel": name, "format": fmt, "cc": f"{cc[0]}.{cc[1]}"}
     where = f"{name} ({fmt}, sm_{cc[0]}{cc[1]})"
     try:
-        ptx, _ = cuda.compile_ptx(kernels()[name].py_func, signatures(WEIGHTS.get(fmt, f32))[name], cc=cc)
+        ptx, _ = cuda.compile_ptx(kernels()[name].py_func, signatures(fmt)[name], cc=cc)
         row.update(ptxas_report(ptx, cc), ptx_lines=len(ptx.splitlines()))
     except Exception as e:  # noqa: BLE001 - every failure is reported with its kernel, then exit 1
         text = str(e).strip()
@@ -116,11 +121,11 @@ def compile_one(name: str, fmt: str, cc: tuple) -> tuple[dict | None, list]:
 def compile_all(ccs: list, jobs: int = 1) -> tuple[list, list]:
     """(rows, problems): a row per kernel, weight format and capability (compiled by `jobs` processes); a problem
     per failure."""
-    found, table = kernels(), signatures(f32)
+    found, table = kernels(), signatures()
     problems = [f"{n}: a fast.gpu kernel without a signature in scripts/gpu_compile.py" for n in sorted(set(found) - set(table))]
     problems += [f"{n}: in the signature table, not in fast.gpu" for n in sorted(set(table) - set(found))]
     work = [(name, fmt, cc) for name in sorted(set(table) & set(found))
-            for fmt in (WEIGHTS if reads_weights(name) else ["-"]) for cc in ccs]
+            for fmt in formats_of(name) for cc in ccs]
     with ProcessPoolExecutor(jobs) as pool:
         done = list(pool.map(compile_one, *zip(*work)))
     rows = [row for row, _ in done if row is not None]

@@ -142,3 +142,19 @@ def write_gguf(path, arch="llama", tensors=(), magic=b"GGUF", **kv):
         with open(path, "r+b") as f:
             f.write(magic)
     return path
+
+
+def serve_requests(sched, requests, timeout: float = 120) -> list[list]:
+    """Submit `requests` to a started scheduler at once, wait for each one's last event: each one's events."""
+    import threading
+    assert sched.ready.wait(timeout)
+    done, events = threading.Event(), {id(r): [] for r in requests}
+    for r in requests:
+        def emit(ev, r=r):
+            events[id(r)].append(ev)
+            if all(e and e[-1][0] in ("done", "error") for e in events.values()):
+                done.set()
+        r.emit = emit
+        sched.submit(r)
+    assert done.wait(timeout)
+    return [events[id(r)] for r in requests]

@@ -51,8 +51,8 @@ class KVCache:
     """Keys and values per layer and slot, k[l][s] and v[l][s] each [K, R_s, E / block] (a host array, or a device
     array where layer l's attention runs on the GPU; None while slot s holds nothing), each slot's length and whether
     it is allocated. `formats` are the keys' and the values' (llama.cpp's -ctk, -ctv: f32 stores `dtype`, the others
-    rows of their blocks, `Format.dtype`). `alloc(shape, dtype, l)` makes layer l's arrays and `copy(dst, src)` moves
-    a slot's keys when it grows.
+    rows of their blocks, `Format.dtype`). `alloc(shape, dtype, l)` makes layer l's arrays and `copy(dst, src)` copies
+    a contiguous run between them and host arrays (a slot growing, a cached prefix stored or restored).
     """
 
     k: list

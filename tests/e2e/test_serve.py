@@ -68,6 +68,22 @@ def test_chat_stream_chunks_and_usage(server):
     assert last["timings"]["predicted_n"] == last["usage"]["completion_tokens"]
 
 
+def test_a_repeated_prompt_comes_from_the_prefix_cache(client, server):
+    """The same prompt again: all but its last token restored (usage's cached_tokens, llama.cpp's timings), the same
+    greedy text; with cache_prompt false, none restored."""
+    prompt = (ROOT / "data" / "corpus" / "val.txt").read_text()[:600]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    n = first.usage.prompt_tokens
+    again = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0},
+                       timeout=60).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert again["timings"]["cache_n"] == n - 1 and again["timings"]["prompt_n"] == 1
+    assert again["choices"][0]["text"] == first.choices[0].text
+    cold = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"cache_prompt": False})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.choices[0].text == first.choices[0].text
+
+
 def test_chat_with_the_openai_client(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "You tell stories."},
                                                               {"role": "user", "content": "a dog"}],
@@ -212,6 +228,7 @@ def test_api_key_and_the_full_queue():
     (["-np", "0"], "error: -np/--parallel must be >= 1"),
     (["--context-shift", "--keep", "-2"], "error: --keep must be >= 0, or -1 (the whole prompt), got -2"),
     (["-c", "99999"], "error: -c/--ctx-size 99999 exceeds the model's context of 512"),
+    (["--cache-ram", "-1"], "error: --cache-ram must be >= 0 MiB (0: no prefix cache), got -1"),
     (["/nonexistent"], "error: MODEL_DIR /nonexistent: no such folder or file"),
     ([], "error: --host 127.0.0.1 --port {busy}: cannot listen there"),
 ])

@@ -395,6 +395,8 @@ SHAPES = [
     ("store_kv", dict(T=3, K=2, E=8, room=9, pos0=4), False), ("store_kv", dict(T=1, K=1, E=4, room=1, pos0=0), False),
     ("store_kv", dict(T=2, K=3, E=4, room=7, pos0=5), True),
     *[("store_kv", dict(T=3, K=2, E=64, room=9, pos0=4, kv=kv), False) for kv in ("f16", "bf16", "q8_0")],
+    *[("store_kv", dict(T=2, K=2, E=64, room=5, pos0=3, kv=kv), True) for kv in ("f16", "bf16", "q8_0")],
+    *[("attention", dict(T=2, S=9, H=2, K=1, E=64, kv=kv), True) for kv in (("f16", "bf16"), ("q8_0", "q8_0"))],
     # KV formats in two pairs (each pair compiles its own kernels): every format as keys or values
     *[("attention", dict(T=T, S=S, H=4, K=2, E=64, kv=kv), False) for kv in (("f16", "bf16"), ("q8_0", "q8_0"))
       for T, S in ((1, 70), (3, 600))],

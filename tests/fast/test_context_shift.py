@@ -2,7 +2,6 @@
 rest and moves the others down, their keys rotated back; ref defines it (ref.model.shift_context), the engines, the
 generation loop and the server's scheduler follow it."""
 
-import threading
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from ref.common.tokenizer import load_tokenizer
 from ref.model import rope
 from ref.common.config import ModelConfig
 from tests.fast.conftest import sparse_engine, sparse_model
-from tests.helpers import SHIPPED, SMALL_CONFIG, assert_close
+from tests.helpers import SHIPPED, SMALL_CONFIG, assert_close, serve_requests
 
 
 def test_shift_moves_the_later_positions_down():
@@ -86,12 +85,8 @@ def test_the_server_shifts_a_full_slot_as_generate_does():
 
     def serve(shift):
         sched = Scheduler(lambda: (engine, tok), slots=2, ctx_size=24, context_shift=shift, keep=2).start()
-        sched.ready.wait(120)
-        done, events = threading.Event(), []
         r = Request(prompt, Params(temperature=0.0, max_tokens=50, ignore_eos=True), None)
-        r.emit = lambda ev: (events.append(ev), ev[0] in ("done", "error") and done.set())
-        sched.submit(r)
-        assert done.wait(120)
+        events, = serve_requests(sched, [r])
         sched.stop()
         return r.out, events[-1]
 

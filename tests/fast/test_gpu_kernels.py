@@ -33,6 +33,25 @@ def test_16_bit_decode_is_exact_for_every_pattern(fmt):
     assert np.array_equal(got.view(np.uint32), want[finite].view(np.uint32))
 
 
+@pytest.mark.skipif(not SIMULATED, reason="calls a device function from the host, which only the simulator allows")
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_16_bit_rounding_is_ref_s(fmt):
+    """gpu.half_bits rounds float32 values to f16 and bf16 bits as ref does (nearest even): random bit patterns of
+    every magnitude, ties, subnormals, signed zeros, values past the format's range."""
+    import numpy as np
+    from ref.common.safetensors import to_bf16_bits
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 1 << 32, 3000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    ties = (np.arange(1, 200, dtype=np.uint32) << (13 if fmt == "f16" else 16)) | (1 << (12 if fmt == "f16" else 15))
+    x = np.concatenate([x, ties.view(np.float32), np.float32([0.0, -0.0, 6.0e-8, -3.0e-8, 65520.0, 1e39 / 1e10])])
+    x = x[np.isfinite(x)]
+    with np.errstate(over="ignore"):  # past f16's range: infinity, as the device gives
+        want = x.astype(np.float16).view(np.uint16) if fmt == "f16" else to_bf16_bits(x)
+    got = np.array([gpu.half_bits(v, gpu.KINDS[fmt]) for v in x], np.uint16)
+    bad = np.flatnonzero(got != want)
+    assert not len(bad), [(float(x[i]), hex(got[i]), hex(want[i])) for i in bad[:5]]
+
+
 @pytest.mark.skipif(not SIMULATED, reason="the simulator's allocation of shared arrays")
 def test_a_blocks_threads_share_one_shared_array(monkeypatch):
     """tests.simulator's lock: eight threads asking for the same shared array while each is switched out inside the

@@ -59,19 +59,40 @@ def test_host_cache_only_where_attention_runs_on_the_cpu(tiny):
     assert [isinstance(k[0], np.ndarray) for k in cache.k] == [False, True]
 
 
-def test_hybrid_context_shift_matches_ref(tiny):
-    """A context shift over a layer attending on the GPU (its slot through the host) and one on the CPU: the next
-    logits as ref's after the same shift."""
+@pytest.mark.parametrize("kv", [("f32", "f32"), ("bf16", "f16")])
+def test_hybrid_context_shift_matches_ref(tiny, kv):
+    """A context shift over a layer attending on the GPU (its slot through the host) and one on the CPU, keys and
+    values in KV formats: the logits of the prompt and after the same shift as ref's."""
     d, _, _ = tiny
     hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
     model = ref.load_model(d, predictors=d / "predictors.safetensors")
     got = []
     for m in (model, hybrid):
+        m.kv_types = kv
         cache = m.new_cache(8)
-        m.forward(Batch.single([1, 5, 9, 2, 3, 7, 11, 4], cache), cache)
+        got.append(m.forward(Batch.single([1, 5, 9, 2, 3, 7, 11, 4], cache), cache))
         m.shift(cache, 0, 1, 3)
-        got.append(m.forward(Batch.single([6, 8], cache), cache))
+        got[-1] = np.concatenate([got[-1], m.forward(Batch.single([6, 8], cache), cache)])
     assert_close(got[1], got[0], rtol=1e-4)
+
+
+def test_hybrid_prefix_cache_restores_a_prompt_as_ref(tiny, monkeypatch):
+    """Positions stored from a slot on both sides (layer 0 attending on the GPU) and restored into another: the rest
+    of a prompt that shares 5 of them gives ref's cold logits."""
+    import ref.common.prefix
+    monkeypatch.setattr(ref.common.prefix, "BLOCK", 2)
+    d, _, _ = tiny
+    hybrid = to_hybrid(cpu_engine(d), SPLITS["random"](np.random.default_rng(3)), dense_on_gpu=DENSE["cpu attention"])
+    model = ref.load_model(d, predictors=d / "predictors.safetensors")
+    a, b = [1, 5, 9, 2, 3, 7, 11], [1, 5, 9, 2, 3, 4, 6]
+    cache = hybrid.new_cache(slots=2)
+    cache.free(1)
+    hybrid.forward(Batch.single(a, cache), cache)
+    prefix = ref.common.prefix.PrefixCache(1 << 20)
+    assert prefix.store(cache, 0, a) == 7
+    seq = cache.allocate()
+    assert prefix.restore(cache, seq, b, 6) == 5
+    assert_close(hybrid.forward(Batch.single(b[5:], cache, seq), cache), model.logits(b)[5:], rtol=1e-4)
 
 
 def test_hybrid_batches_of_sequences_match_each_alone(tiny, monkeypatch):

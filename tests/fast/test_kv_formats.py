@@ -10,7 +10,7 @@ import pytest
 
 import ref
 from fast import blas
-from fast.load import check_memory, load_engine, set_kv_types
+from fast.load import check_memory, load_engine
 from ref.common.batch import Batch, KVCache
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
@@ -84,12 +84,6 @@ def test_bad_kv_formats_are_refused(small):
         KVCache.empty(cfg, 8, np.float32, formats=("q8_0", "f16"))
     with pytest.raises(UserError, match="-ctv: the KV cache is stored in f32, f16, bf16, q8_0, not q4_0"):
         KVCache.empty(cfg, 8, np.float32, formats=("f16", "q4_0"))
-
-    class OnTheCard:
-        n_gpu_layers = 1
-    with pytest.raises(UserError, match="layers attending on the GPU keep their KV cache in f32"):
-        set_kv_types(OnTheCard(), (FORMATS["f16"], FORMATS["f32"]))
-    assert set_kv_types(OnTheCard(), (FORMATS["f32"], FORMATS["f32"])).kv_types == ("f32", "f32")
 
 
 def test_memory_check_counts_the_kv_format(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ from fast.sampling import sample
 from fast.scheduler import Params, Request, Scheduler, TextStream, penalized
 from ref.common.sampling import sample as ref_sample
 from ref.common.tokenizer import load_tokenizer
-from tests.helpers import FAMILIES, SHIPPED, write_gguf
+from tests.helpers import FAMILIES, SHIPPED, serve_requests, write_gguf
 
 
 class Draw:
@@ -147,7 +147,6 @@ class PoisonedEngine:
 def test_a_failing_request_fails_alone(poison):
     """A request that fails on the engine thread (its sampler overflows: top_k 10**20; the forward of its batch
     raises) gets an error event; the three beside it finish with the tokens they get alone."""
-    import threading
     from fast.load import load_engine
     tok = load_tokenizer(SHIPPED)
     engine = load_engine(SHIPPED, threads=1)
@@ -161,18 +160,9 @@ def test_a_failing_request_fails_alone(poison):
 
     def run(requests):
         sched = Scheduler(lambda: (engine, tok), slots=4, ctx_size=64).start()
-        sched.ready.wait(120)
-        done, events = threading.Event(), {id(r): [] for r in requests}
-        for r in requests:
-            def emit(ev, r=r):
-                events[id(r)].append(ev)
-                if all(e and e[-1][0] in ("done", "error") for e in events.values()):
-                    done.set()
-            r.emit = emit
-            sched.submit(r)
-        assert done.wait(120)
+        events = serve_requests(sched, requests)
         sched.stop()
-        return [events[id(r)] for r in requests]
+        return events
 
     alone = [run([Request(p, greedy, None)])[0] for p in prompts]
     together = run([Request(p, greedy, None) for p in prompts[:2]] + [bad] + [Request(prompts[2], greedy, None)])
