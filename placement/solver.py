@@ -1,13 +1,16 @@
 """PowerInfer's neuron-placement ILP (paper section 6.3), over groups of neurons, on OR-Tools CP-SAT.
 
 Per layer l, neurons sorted by firing count (most frequent first) and cut into groups g of `group` neurons:
-    maximise   sum_{l,g} c_{l,g} x_{l,g}                     c: summed firing counts of the group
-    subject to sum_{l,g} s_{l,g} x_{l,g} * neuron_bytes <= ffn_budget          (GPU memory)
+    maximise   sum_{l,g,d} c_{l,g} x_{l,g,d}                 c: summed firing counts of the group
+    subject to sum_{l,g} s_{l,g} x_{l,g,d} * neuron_bytes <= ffn_budget_d     (each GPU d's memory)
+               x_{l,g} = sum_d x_{l,g,d} <= 1                              (a group on one GPU at most)
                F_l - sum_g s_{l,g} x_{l,g} <= F_l y_l                          (y_l = 1 if the layer has CPU neurons)
                F_l - sum_g s_{l,g} x_{l,g} >= C_l y_l                          (... and then at least C_l of them)
                x_{l,g} >= x_{l,g+1} for full-size groups g, g+1              (symmetry: a more frequent group first;
                                                                               an exchange never loses objective)
-Dimensions: L layers, F FFN neurons, G groups per layer.
+               GPUs of one size: the first holds no fewer neurons than the next (they are interchangeable)
+With one GPU this is the paper's ILP; several GPUs each get a capacity constraint (the engine runs one).
+Dimensions: L layers, F FFN neurons, G groups per layer, d GPUs.
 """
 
 import time
@@ -48,12 +51,13 @@ class Groups:
 
 @dataclass
 class Placement:
-    gpu_neurons: list  # per layer: sorted int32 neuron ids on the GPU
+    gpu_neurons: list  # per layer: sorted int32 neuron ids on a GPU (any of them)
     status: str
-    objective: float  # summed firing counts covered by the GPU
+    objective: float  # summed firing counts covered by the GPUs
     bound: float
     solve_seconds: float
     min_cpu_neurons: list
+    device_neurons: list = None  # per GPU, per layer: its sorted int32 neuron ids (one GPU: [gpu_neurons])
 
     @property
     def gap(self) -> float:
@@ -65,71 +69,103 @@ class Placement:
                 "solve_seconds": self.solve_seconds, "min_cpu_neurons": self.min_cpu_neurons}
 
 
-def greedy(groups: Groups, capacity: int) -> list[np.ndarray]:
-    """Global top-k: groups by count, most first, while they fit (`capacity` in neurons). Optimal when C_l = 0 and
-    all groups have one size."""
+def greedy(groups: Groups, capacities: list[int]) -> list[np.ndarray]:
+    """Global top-k: groups by count, most first, each to the GPU with the most room left (`capacities` in neurons)
+    while one has room. Optimal for one GPU when C_l = 0 and all groups have one size. Per layer: each group's GPU,
+    -1 for the CPU."""
     cand = sorted(((-w, l, g) for l, ws in enumerate(groups.weights) for g, w in enumerate(ws)))
-    taken = [np.zeros(len(s), bool) for s in groups.sizes]
-    left = capacity
+    where = [np.full(len(s), -1) for s in groups.sizes]
+    left = list(capacities)
     for _, l, g in cand:
-        s = groups.sizes[l][g]
-        if s <= left:
-            taken[l][g] = True
-            left -= s
-    return taken
+        d = int(np.argmax(left))
+        if groups.sizes[l][g] <= left[d]:
+            where[l][g] = d
+            left[d] -= groups.sizes[l][g]
+    return where
 
 
-def repair(groups: Groups, taken: list[np.ndarray], min_cpu: list[int]) -> list[np.ndarray]:
-    """Make a selection feasible for the communication constraint by dropping a layer's least frequent GPU groups
-    until it keeps 0 or >= C_l CPU neurons (dropping frees memory, so the budget still holds)."""
-    out = [t.copy() for t in taken]
-    for l, t in enumerate(out):
+def repair(groups: Groups, where: list[np.ndarray], min_cpu: list[int]) -> list[np.ndarray]:
+    """Make a selection feasible for the communication constraint by moving a layer's least frequent GPU groups to
+    the CPU until it keeps 0 or >= C_l CPU neurons there (moving frees memory, so the budgets still hold)."""
+    out = [w.copy() for w in where]
+    for l, w in enumerate(out):
         F = int(groups.sizes[l].sum())
-        while 0 < F - int(groups.sizes[l][t].sum()) < min(min_cpu[l], F):
-            t[np.flatnonzero(t)[-1]] = False
+        while 0 < F - int(groups.sizes[l][w >= 0].sum()) < min(min_cpu[l], F):
+            w[np.flatnonzero(w >= 0)[-1]] = -1
     return out
 
 
-def build_ilp(m, new_bool, weighted_sum, groups: Groups, capacity: int, min_cpu: list[int]) -> tuple[list, dict]:
-    """Add the ILP to `m` (a CP-SAT CpModel or a pywraplp Solver: both take Add and Maximize); returns x and {l: y_l}."""
-    x, y, used_vars, used_sizes, obj_vars, obj_weights = [], {}, [], [], [], []
+def build_ilp(m, new_bool, weighted_sum, groups: Groups, capacities: list[int], min_cpu: list[int]) -> tuple[list, dict]:
+    """Add the ILP to `m` (a CP-SAT CpModel or a pywraplp Solver: both take Add and Maximize), one capacity
+    constraint per GPU (x_{l,g,d}: group g of layer l on GPU d, at most one d); returns x [l][g][d] and {l: y_l}."""
+    n = len(capacities)
+    x, y, on_device, obj_vars, obj_weights = [], {}, [([], []) for _ in capacities], [], []
     for l, (sizes, ws) in enumerate(zip(groups.sizes, groups.weights)):
-        xl = [new_bool(f"x{l}_{g}") for g in range(len(sizes))]
-        for g in range(len(sizes) - 1):
-            if sizes[g] == sizes[g + 1]:
-                m.Add(xl[g] >= xl[g + 1])
+        xl = [[new_bool(f"x{l}_{g}_{d}") for d in range(n)] for g in range(len(sizes))]
+        on = [xg[0] if n == 1 else weighted_sum(xg, [1] * n) for xg in xl]  # group g on some GPU
+        for g in range(len(sizes)):
+            if n > 1:
+                m.Add(on[g] <= 1)
+            if g + 1 < len(sizes) and sizes[g] == sizes[g + 1]:
+                m.Add(on[g] >= on[g + 1])
         if min_cpu[l] > 0:
             F = int(sizes.sum())
-            on_gpu = weighted_sum(xl, [int(v) for v in sizes])
+            on_gpu = weighted_sum([v for xg in xl for v in xg], [int(v) for v in sizes for _ in range(n)])
             y[l] = new_bool(f"y{l}")
             m.Add(F - on_gpu <= F * y[l])
             m.Add(F - on_gpu >= min(min_cpu[l], F) * y[l])
+        for d in range(n):
+            on_device[d][0].extend(xg[d] for xg in xl)
+            on_device[d][1].extend(int(v) for v in sizes)
         x.append(xl)
-        used_vars += xl
-        used_sizes += [int(v) for v in sizes]
-        obj_vars += xl
-        obj_weights += [int(w) for w in ws]
-    m.Add(weighted_sum(used_vars, used_sizes) <= capacity)
+        obj_vars += [v for xg in xl for v in xg]
+        obj_weights += [int(w) for w in ws for _ in range(n)]
+    for (vs, cs), cap in zip(on_device, capacities):
+        m.Add(weighted_sum(vs, cs) <= cap)
+    for d in range(n - 1):  # GPUs of one size are interchangeable: the first holds at least as much
+        if capacities[d] == capacities[d + 1]:
+            m.Add(weighted_sum(*on_device[d]) >= weighted_sum(*on_device[d + 1]))
     m.Maximize(weighted_sum(obj_vars, obj_weights))
     return x, y
 
 
-def solve(counts: np.ndarray, neuron_bytes: int, ffn_budget_bytes: int, min_cpu: list[int], group: int = 64,
+def solve(counts: np.ndarray, neuron_bytes: int, ffn_budget_bytes, min_cpu: list[int], group: int = 64,
           time_limit: float = 10.0, workers: int = 2, backend: str = "cpsat") -> Placement:
-    """The ILP above on CP-SAT (warm-started from the repaired greedy selection), or on SCIP for comparison."""
+    """The ILP above on CP-SAT (warm-started from the repaired greedy selection), or on SCIP for comparison;
+    `ffn_budget_bytes` one GPU's FFN budget, or a list of one per GPU.
+
+    Several GPUs on CP-SAT: the one-GPU ILP over the neurons the GPUs hold whatever the packing (each GPU's
+    capacity less one group but a neuron), its groups then packed first-fit, a layer's spread over the GPUs (so that
+    they share its work); optimal up to one group a GPU, the gap against the knapsack bound over all of their
+    capacity reported. The joint ILP's symmetric GPUs left CP-SAT far from a proof at 70B (gap 0.25 after 10 s)."""
     t0 = time.perf_counter()
     groups = Groups.build(counts, group)
-    capacity = max(0, ffn_budget_bytes) // neuron_bytes  # neurons that fit
+    budgets = list(ffn_budget_bytes) if np.ndim(ffn_budget_bytes) else [ffn_budget_bytes]
+    capacities = [max(0, b) // neuron_bytes for b in budgets]  # neurons that fit each GPU
     if backend == "scip":
-        return solve_scip(groups, capacity, min_cpu, time_limit, t0)
+        return solve_scip(groups, capacities, min_cpu, time_limit, t0)
+    if len(capacities) == 1:
+        on, status, objective, bound = solve_cpsat(groups, capacities, min_cpu, time_limit, workers)
+        return placement(groups, on, status, objective, bound, t0, min_cpu)
+    big = max((int(s.max()) for s in groups.sizes if len(s)), default=1)
+    on, _, objective, _ = solve_cpsat(groups, [sum(max(0, c - big + 1) for c in capacities)], min_cpu, time_limit,
+                                      workers)
+    on = pack(groups, on, capacities)
+    bound = knapsack_bound(groups, sum(capacities))
+    return placement(groups, on, "OPTIMAL" if objective >= bound else "FEASIBLE", objective, bound, t0, min_cpu)
+
+
+def solve_cpsat(groups: Groups, capacities: list[int], min_cpu: list[int], time_limit: float, workers: int):
+    """x [l][g][d] (booleans), status, objective and bound of the ILP on CP-SAT, from the repaired greedy hint."""
     from ortools.sat.python import cp_model
 
     m = cp_model.CpModel()
-    x, y = build_ilp(m, m.NewBoolVar, cp_model.LinearExpr.WeightedSum, groups, capacity, min_cpu)
-    hint = repair(groups, greedy(groups, capacity), min_cpu)
-    has_cpu = {l: int(not hint[l][groups.sizes[l] > 0].all()) for l in y}
-    m.Proto().solution_hint.vars.extend([v.Index() for xl in x for v in xl] + [v.Index() for v in y.values()])
-    m.Proto().solution_hint.values.extend([int(h) for hl in hint for h in hl] + list(has_cpu.values()))
+    x, y = build_ilp(m, m.NewBoolVar, cp_model.LinearExpr.WeightedSum, groups, capacities, min_cpu)
+    hint = repair(groups, greedy(groups, capacities), min_cpu)
+    has_cpu = {l: int((hint[l][groups.sizes[l] > 0] < 0).any()) for l in y}
+    m.Proto().solution_hint.vars.extend([v.Index() for xl in x for xg in xl for v in xg] + [v.Index() for v in y.values()])
+    m.Proto().solution_hint.values.extend([int(h == d) for hl in hint for h in hl for d in range(len(capacities))]
+                                          + list(has_cpu.values()))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = workers
@@ -140,22 +176,57 @@ def solve(counts: np.ndarray, neuron_bytes: int, ffn_budget_bytes: int, min_cpu:
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise UserError(f"placement: CP-SAT found no solution ({solver.StatusName(status)})")
-    taken = [np.array([solver.BooleanValue(v) for v in xl], bool) for xl in x]
-    return Placement([groups.neurons(l, t) for l, t in enumerate(taken)], solver.StatusName(status),
-                     solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - t0, list(min_cpu))
+    on = [[[solver.BooleanValue(v) for v in xg] for xg in xl] for xl in x]
+    return on, solver.StatusName(status), solver.ObjectiveValue(), solver.BestObjectiveBound()
 
 
-def solve_scip(groups: Groups, capacity: int, min_cpu: list[int], time_limit: float, t0: float) -> Placement:
+def pack(groups: Groups, on: list, capacities: list[int]) -> list:
+    """The groups one GPU's solution takes (on [l][g][0]), each to the GPU with the most room left, layer by layer:
+    it fits whenever any GPU has room for it, and some GPU always does while the groups total at most each capacity
+    less one group but a neuron (else every GPU has less than a group free and the groups placed exceed that total)."""
+    left, out = list(capacities), []
+    for l, xl in enumerate(on):
+        out.append([])
+        for g, xg in enumerate(xl):
+            d = int(np.argmax(left))
+            out[-1].append([bool(xg[0]) and k == d for k in range(len(capacities))])
+            left[d] -= groups.sizes[l][g] if xg[0] else 0
+    assert min(left) >= 0
+    return out
+
+
+def knapsack_bound(groups: Groups, capacity: int) -> float:
+    """An upper bound on any placement within `capacity` neurons: the densest groups first, the last one in part
+    (the LP relaxation without the communication constraint)."""
+    w = np.concatenate(groups.weights).astype(np.float64)
+    s = np.concatenate(groups.sizes).astype(np.float64)
+    order = np.argsort(-w / np.maximum(s, 1), kind="stable")
+    taken = np.cumsum(s[order])
+    full = np.searchsorted(taken, capacity, side="right")
+    bound = w[order[:full]].sum()
+    if full < len(order):
+        bound += w[order[full]] * (capacity - (taken[full - 1] if full else 0)) / s[order[full]]
+    return float(bound)
+
+
+def placement(groups: Groups, on: list, status: str, objective: float, bound: float, t0: float, min_cpu) -> Placement:
+    """The Placement of a solved x [l][g][d] (booleans)."""
+    n = len(on[0][0]) if on and on[0] else 1
+    device = [[groups.neurons(l, [bool(xg[d]) for xg in xl]) for l, xl in enumerate(on)] for d in range(n)]
+    union = [groups.neurons(l, [any(xg) for xg in xl]) for l, xl in enumerate(on)]
+    return Placement(union, status, objective, bound, time.perf_counter() - t0, list(min_cpu), device)
+
+
+def solve_scip(groups: Groups, capacities: list[int], min_cpu: list[int], time_limit: float, t0: float) -> Placement:
     from ortools.linear_solver import pywraplp
 
     s = pywraplp.Solver.CreateSolver("SCIP")
     s.SetTimeLimit(int(time_limit * 1000))
     s.SetSolverSpecificParametersAsString("limits/gap = 1e-3\n")
-    x, _ = build_ilp(s, s.BoolVar, lambda vs, cs: s.Sum([c * v for c, v in zip(cs, vs)]), groups, capacity, min_cpu)
+    x, _ = build_ilp(s, s.BoolVar, lambda vs, cs: s.Sum([c * v for c, v in zip(cs, vs)]), groups, capacities, min_cpu)
     status = s.Solve()
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise UserError("placement: SCIP found no solution")
-    taken = [np.array([v.solution_value() > 0.5 for v in xl], bool) for xl in x]
-    return Placement([groups.neurons(l, t) for l, t in enumerate(taken)],
-                     "OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
-                     s.Objective().Value(), s.Objective().BestBound(), time.perf_counter() - t0, list(min_cpu))
+    on = [[[v.solution_value() > 0.5 for v in xg] for xg in xl] for xl in x]
+    return placement(groups, on, "OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
+                     s.Objective().Value(), s.Objective().BestBound(), t0, min_cpu)

@@ -41,36 +41,51 @@ def test_without_communication_constraint_equals_greedy_top_k(seed):
     counts = power_law_counts(5, 256, seed)
     p = solve(counts, neuron_bytes=1, ffn_budget_bytes=500, min_cpu=[0] * 5, group=16)
     g = Groups.build(counts, 16)
-    top = [g.neurons(l, t) for l, t in enumerate(greedy(g, 500))]
+    top = [g.neurons(l, w >= 0) for l, w in enumerate(greedy(g, [500]))]
     assert p.objective == objective(counts, top) == objective(counts, p.gpu_neurons)
     assert p.status == "OPTIMAL"
 
 
-def brute_force(counts, group, capacity, min_cpu):
+def brute_force(counts, group, capacities, min_cpu):
+    """The best objective over every assignment of every group to the CPU (-1) or a GPU."""
     g = Groups.build(counts, group)
     flat = [(l, k) for l in range(len(counts)) for k in range(len(g.sizes[l]))]
     best = -1
-    for bits in itertools.product([0, 1], repeat=len(flat)):
-        taken = [np.zeros(len(s), bool) for s in g.sizes]
-        for (l, k), b in zip(flat, bits):
-            taken[l][k] = b
-        used = [int(g.sizes[l][t].sum()) for l, t in enumerate(taken)]
-        F = counts.shape[1]
-        if sum(used) > capacity or any(0 < F - u < min(c, F) for u, c in zip(used, min_cpu)):
+    for choice in itertools.product(range(-1, len(capacities)), repeat=len(flat)):
+        where = [np.full(len(s), -1) for s in g.sizes]
+        for (l, k), d in zip(flat, choice):
+            where[l][k] = d
+        if any(sum(int(g.sizes[l][w == d].sum()) for l, w in enumerate(where)) > cap
+               for d, cap in enumerate(capacities)):
             continue
-        best = max(best, sum(int(g.weights[l][t].sum()) for l, t in enumerate(taken)))
+        used = [int(g.sizes[l][w >= 0].sum()) for l, w in enumerate(where)]
+        F = counts.shape[1]
+        if any(0 < F - u < min(c, F) for u, c in zip(used, min_cpu)):
+            continue
+        best = max(best, sum(int(g.weights[l][w >= 0].sum()) for l, w in enumerate(where)))
     return best
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_small_instances_equal_brute_force(seed):
+@pytest.mark.parametrize("seed, gpus", [(s, 1) for s in range(6)] + [(s, 2) for s in range(3)])
+def test_small_instances_equal_brute_force(seed, gpus):
+    """One GPU, or two of other sizes: CP-SAT's objective is the best over every assignment, each GPU within its
+    capacity, the communication constraint kept."""
     rng = np.random.default_rng(seed)
-    counts = rng.integers(0, 100, size=(3, 10))  # groups of 3: sizes 3, 3, 3, 1
-    capacity = int(rng.integers(4, 25))
-    min_cpu = [int(c) for c in rng.integers(2, 8, size=3)]
-    p = solve(counts, 1, capacity, min_cpu, group=3)
-    assert p.objective == brute_force(counts, 3, capacity, min_cpu) == objective(counts, p.gpu_neurons)
-    check_feasible(p, 10, capacity, min_cpu)
+    counts = rng.integers(0, 100, size=(3 if gpus == 1 else 2, 10))  # groups of 3: sizes 3, 3, 3, 1
+    capacities = [int(c) for c in rng.integers(4, 25 // gpus, size=gpus)]
+    min_cpu = [int(c) for c in rng.integers(2, 8, size=len(counts))]
+    best = brute_force(counts, 3, capacities, min_cpu)
+    for backend in ("cpsat", "scip"):
+        p = solve(counts, 1, capacities if gpus > 1 else capacities[0], min_cpu, group=3, backend=backend)
+        assert p.objective == objective(counts, p.gpu_neurons) <= best <= p.bound + 1e-9
+        assert p.objective == best or backend == "cpsat" and gpus > 1  # several GPUs on CP-SAT: within a group a GPU
+        check_feasible(p, 10, sum(capacities), min_cpu)
+        assert len(p.device_neurons) == gpus
+        for d, cap in enumerate(capacities):
+            assert sum(len(n) for n in p.device_neurons[d]) <= cap
+        for l in range(len(counts)):  # the GPUs' neurons apart, together the layer's GPU neurons
+            parts = np.concatenate([p.device_neurons[d][l] for d in range(gpus)])
+            assert len(set(parts.tolist())) == len(parts) and sorted(parts.tolist()) == p.gpu_neurons[l].tolist()
 
 
 @pytest.mark.parametrize("seed", range(5))
