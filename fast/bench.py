@@ -17,6 +17,7 @@ import numpy as np
 
 from fast import cpu
 from fast.engine import Engine, Selector, apply_sparsity, dense_ffn, joined
+from placement.synthetic import firing
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.config import ModelConfig
@@ -103,12 +104,6 @@ def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) ->
     return thinned
 
 
-def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
-    """The largest ladder size R with all layers' predictors within the paper's 10% of parameters (at least 16)."""
-    per_layer = budget_fraction * cfg.n_params / cfg.n_layers
-    return max([16] + [r for r in (32, 64, 128, 256, 512, 1024) if r * (cfg.d_model + cfg.d_ffn) <= per_layer])
-
-
 class SyntheticSelector(Selector):
     """The engines run its real-size predictor (their cost is real); its pick is an active set drawn from a power-law
     neuron frequency profile with mean size (1 - sparsity) F: p_i ∝ rank_i^-alpha, capped at 1. Each call draws the
@@ -121,13 +116,7 @@ class SyntheticSelector(Selector):
         super().__init__(cfg.d_ffn, pred, 0.0)
         rng = np.random.default_rng(seed)
         F = cfg.d_ffn
-        target = (1 - sparsity) * F
-        base = 1.0 / np.arange(1, F + 1) ** alpha
-        lo, hi = 0.0, F / base.sum() * 1e3
-        for _ in range(60):  # scale so that sum(min(1, s p)) = target
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if np.minimum(1, mid * base).sum() < target else (lo, mid)
-        p = np.minimum(1, lo * base)
+        p = firing(F, sparsity, alpha)
         # Per layer a fixed permutation decides which neurons are hot; each token draws neuron i with p[perm[i]].
         self.sets = [[np.flatnonzero(rng.random(F) < p[perm]).astype(np.int32) for _ in range(pool)]
                      for perm in (rng.permutation(F) for _ in range(cfg.n_layers))]

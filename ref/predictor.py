@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ref.common.artifacts import Predictors
+from ref.common.config import ModelConfig
 from ref.common.progress import Progress
 from ref.sparse import predictor_logits
 
@@ -178,3 +179,9 @@ def train_all(samples, model_params: int, s: TrainSettings) -> tuple[Predictors,
                                    "predicted_fraction": r.predicted, "fired_fraction": r.fired} for r in reports])}
     pred = Predictors([c.fc1.astype(np.float32) for c in chosen], [c.fc2.astype(np.float32) for c in chosen], theta, meta)
     return pred, reports
+
+
+def predictor_size(cfg: ModelConfig, budget_fraction: float = 0.10) -> int:
+    """A predictor's hidden size for a model without one (benchmarks, the planner): the largest ladder size R with all layers' predictors within the paper's 10% of parameters (at least 16)."""
+    per_layer = budget_fraction * cfg.n_params / cfg.n_layers
+    return max([16] + [r for r in (32, 64, 128, 256, 512, 1024) if r * (cfg.d_model + cfg.d_ffn) <= per_layer])

@@ -17,11 +17,12 @@ import click
 import numpy as np
 
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
-                        dense_twin, overhead_per_token, predictor_size, prefill_rounds, random_engine, random_gguf,
+                        dense_twin, overhead_per_token, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, synthetic_predictors, thinned_twin)
 from ref.common.batch import KV_FORMATS
 from ref.common.cli import FORMAT_CHOICE, cache_types, user_errors
 from ref.common.config import SHAPES, shape_config
+from ref.predictor import predictor_size
 from ref.common.formats import FORMATS
 from ref.quant import predictor_format, predictors_beside, quantize_predictors
 

@@ -11,7 +11,7 @@ import numpy as np
 from numba import cuda
 
 from fast import gpu
-from fast.bench import SyntheticSelector, predictor_size, random_engine, synthetic_predictors, time_decode
+from fast.bench import SyntheticSelector, random_engine, synthetic_predictors, time_decode
 from fast.engine import Selector
 from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
@@ -21,6 +21,7 @@ from ref.common.cli import FORMAT_CHOICE, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
+from ref.predictor import predictor_size
 from ref.quant import blocks, quantize
 
 F32 = np.float32

@@ -1,0 +1,183 @@
+"""What a decode token costs where: the bytes each device reads under a plan (the CPU alone, llama.cpp's whole layers
+on the GPU, PowerInfer's neurons placed by the ILP) and the seconds those bytes take on a hardware profile.
+
+Decoding one token is bound by the bytes it reads. A device's time for a part is its bytes over its read bandwidth
+times the share of it its kernels reach (`Kernels` for this project's CPU kernels, measured; `GPU_EFFICIENCY` for a
+card); each layer adds the engine's fixed time per layer (Python and dispatch). A layer split between the CPU and
+the GPUs waits for the slowest side, then pays a synchronisation, a small transfer's latency and its partial sum
+over PCIe (the overheads of `Hardware.min_cpu_neurons`); llama.cpp's layers run one after another, the hidden state
+crossing PCIe where they change sides. The firing probability of each neuron (a profile's counts over its tokens,
+or a power law with mean 1 - sparsity) gives the expected neurons a token reads on each side.
+Dimensions: L layers, D d_model, F FFN neurons, K kv heads, E head dim, V vocab, R predictor hidden size.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from placement.budget import Hardware, dense_parts, plan_budget, whole_layers
+from placement.solver import solve
+from ref.common.config import ModelConfig
+from ref.common.formats import FORMATS, Format
+from ref.quant import predictor_format
+
+# The share of its spec bandwidth a card's matrix-vector kernels stream: llama.cpp's and PowerInfer's reach 75 to
+# 90 % on recent NVIDIA cards; this project's GPU kernels have not yet been timed on a device (bench_gpu.py will).
+GPU_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What this project's CPU kernels reach of the read probe's bandwidth (scripts/plan_check.py --calibrate),
+    per weight format: `dense` rows read whole (attention, predictors, a dense FFN, the output layer) and a `sparse`
+    FFN's scattered neurons; a decode step's fixed time, `token_seconds` plus `layer_seconds` a layer."""
+
+    dense: dict = field(default_factory=dict)
+    sparse: dict = field(default_factory=dict)
+    token_seconds: float = 0.0
+    layer_seconds: float = 0.0
+
+    def fixed(self, L: int) -> float:
+        return self.token_seconds + L * self.layer_seconds
+
+
+# Measured on the CI machine (2-core AMD EPYC with AVX-512 VNNI, 2 threads) on LLaMA-13B's shape cut to 4 layers,
+# a shape the checks do not predict: python scripts/plan_check.py --calibrate --tokens 16 --runs 5. Formats it did
+# not measure take their nearest one's (f32, bf16: f16's).
+CPU_KERNELS = Kernels(dense={"f32": 0.83, "f16": 0.83, "bf16": 0.83, "q8_0": 0.81, "q4_0": 0.86},
+                      sparse={"f32": 0.39, "f16": 0.39, "bf16": 0.39, "q8_0": 0.53, "q4_0": 0.91},
+                      token_seconds=2.5e-5, layer_seconds=1.8e-5)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Bytes a decode token reads of each part of a model in a format, with `depth` positions cached."""
+
+    attention: int  # a layer's q, k, v, o weights and norm, and its keys and values at the depth
+    neuron: int  # one FFN neuron's rows
+    predictor: int  # a layer's predictor (0: none)
+    output: int  # the final norm and the output layer
+    cfg: ModelConfig
+
+    @staticmethod
+    def of(cfg: ModelConfig, fmt: Format, depth: int = 0, kv: Format = FORMATS["f16"],
+           predictor_hidden: int = 0) -> "Parts":
+        D, E, H, K = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        vector = 4  # a norm's weights: float32 in the engines
+        attention = 2 * fmt.nbytes((H * E, D)) + 2 * fmt.nbytes((K * E, D)) + D * vector
+        attention += 2 * depth * K * kv.row_bytes(E)
+        R = predictor_hidden
+        pfmt = predictor_format(fmt, int(np.gcd(D, R)) if R else None)
+        predictor = pfmt.nbytes((R, D)) + pfmt.nbytes((cfg.d_ffn, R)) if R else 0
+        return Parts(attention, cfg.ffn_matrices * fmt.row_bytes(D), predictor,
+                     D * vector + fmt.nbytes((cfg.vocab_size, D)), cfg)
+
+
+@dataclass
+class Prediction:
+    """One plan's decode: bytes a token reads per device, seconds per token, and the GPU memory the plan holds."""
+
+    plan: str
+    cpu_bytes: float
+    gpu_bytes: list  # per GPU
+    seconds: float
+    gpu_resident: list = field(default_factory=list)  # bytes per GPU
+    note: str = ""
+
+    @property
+    def tok_s(self) -> float:
+        return 1.0 / self.seconds
+
+
+def cpu_seconds(dense: float, sparse: float, fmt: Format, bandwidth: float, kernels: Kernels) -> float:
+    """Seconds the CPU takes to read `dense` bytes of whole rows and `sparse` bytes of scattered neurons."""
+    return dense / (bandwidth * kernels.dense[fmt.name]) + sparse / (bandwidth * kernels.sparse[fmt.name])
+
+
+def cpu_only(p: Parts, fmt: Format, bandwidth: float, active: np.ndarray | None,
+             kernels: Kernels = CPU_KERNELS) -> Prediction:
+    """Every part on the CPU; `active` the expected neurons a token computes per layer [L] (None: dense, every
+    neuron, no predictor)."""
+    L, F = p.cfg.n_layers, p.cfg.d_ffn
+    if active is None:
+        dense, sparse, name = L * (p.attention + F * p.neuron) + p.output, 0.0, "CPU only, dense"
+    else:
+        dense, sparse, name = L * (p.attention + p.predictor) + p.output, float(np.sum(active)) * p.neuron, "CPU only, sparse"
+    t = cpu_seconds(dense, sparse, fmt, bandwidth, kernels) + kernels.fixed(L)
+    return Prediction(name, dense + sparse, [], t)
+
+
+def hop(hw: Hardware, D: int) -> float:
+    """Seconds a layer split between sides pays: a synchronisation, a small transfer, D floats over PCIe."""
+    return hw.sync_cost + hw.pcie_latency + 4 * D / hw.pcie_bandwidth
+
+
+def layers_on_gpu(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: int, budget: int,
+                  kernels: Kernels = CPU_KERNELS) -> Prediction:
+    """llama.cpp's -ngl: as many whole layers (with their KV cache for ctx) as fit the budget, dense; the rest on
+    the CPU; the output layer on the GPU only when every layer is."""
+    cfg = p.cfg
+    L, F = cfg.n_layers, cfg.d_ffn
+    neurons, dense_on_gpu = whole_layers(cfg, fmt, ctx, budget)
+    n = sum(len(x) > 0 for x in neurons)
+    out_on_gpu = "output" in dense_on_gpu
+    layer = p.attention + F * p.neuron
+    gpu = n * layer + (p.output if out_on_gpu else 0)
+    cpu = (L - n) * layer + (0 if out_on_gpu else p.output)
+    t = gpu / (hw.gpu_bandwidth * GPU_EFFICIENCY) + cpu_seconds(cpu, 0, fmt, bandwidth, kernels)
+    t += kernels.fixed(L) + (2 * hop(hw, cfg.d_model) if 0 < n < L or n and not out_on_gpu else 0)
+    parts = dict(dense_parts(cfg, fmt, ctx, []))  # what whole_layers counted: each layer with its KV cache
+    held = n * (parts["attention.0"] + parts["ffn_norms"] // L + F * p.neuron) + (parts["output"] if out_on_gpu else 0)
+    return Prediction(f"llama.cpp layers (-ngl {n})", cpu, [gpu], t, [held], f"{n} of {L} layers on the GPU")
+
+
+def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: int, budgets: list[int],
+                   firing: np.ndarray, predictor_params: list[int], group: int = 64,
+                   kernels: Kernels = CPU_KERNELS) -> Prediction:
+    """PowerInfer: the dense parts that fit whole on the first GPU in PowerInfer's order, then the ILP's neurons on
+    every GPU (`solve`, one FFN budget each; the other GPUs lose only the scratch headroom), the rest on the CPU;
+    firing [L, F] each neuron's probability. A layer's sides run at once: its time is the slowest side's, plus a hop
+    per GPU it waits for where it is split."""
+    cfg = p.cfg
+    L, F, D = cfg.n_layers, cfg.d_ffn, cfg.d_model
+    plan = plan_budget(cfg, fmt, ctx, budgets[0], predictor_params)
+    ffn = [plan.ffn_budget_bytes] + [max(0, b - plan.headroom_bytes) for b in budgets[1:]]
+    counts = np.round(firing * 1e6).astype(np.int64)  # the ILP's weights: expected firings per million tokens
+    min_cpu = [hw.min_cpu_neurons(p.neuron, D)] * L
+    placed = solve(counts, p.neuron, ffn if len(ffn) > 1 else ffn[0], min_cpu, group)
+    on_gpu = {name for name, _ in plan.on_gpu}
+    k = len(budgets)
+    cpu_dense = cpu_sparse = 0.0
+    gpu, t = [0.0] * k, 0.0
+    for l in range(L):
+        sides = [0.0] * k
+        attention_here = f"attention.{l}" in on_gpu
+        predictor_here = f"predictor.{l}" in on_gpu
+        sides[0] += (p.attention if attention_here else 0) + (p.predictor if predictor_here else 0)
+        dense_cpu = (0 if attention_here else p.attention) + (0 if predictor_here or not p.predictor else p.predictor)
+        taken = np.zeros(F, bool)
+        for d in range(k):
+            ids = placed.device_neurons[d][l]
+            taken[ids] = True
+            sides[d] += float(firing[l][ids].sum()) * p.neuron
+        sparse_cpu = float(firing[l][~taken].sum()) * p.neuron
+        cpu_dense, cpu_sparse = cpu_dense + dense_cpu, cpu_sparse + sparse_cpu
+        t_cpu = cpu_seconds(dense_cpu, sparse_cpu, fmt, bandwidth, kernels)
+        t_gpu = [s / (hw.gpu_bandwidth * GPU_EFFICIENCY) for s in sides]
+        busy = [d for d in range(k) if sides[d] > 0]
+        t += max([t_cpu, *t_gpu]) + (len(busy) * hop(hw, D) if busy and t_cpu > 0 else 0)
+        gpu = [g + s for g, s in zip(gpu, sides)]
+    if "output" in on_gpu:
+        gpu[0] += p.output
+        t += p.output / (hw.gpu_bandwidth * GPU_EFFICIENCY)
+    else:
+        cpu_dense += p.output
+        t += cpu_seconds(p.output, 0, fmt, bandwidth, kernels)
+    t += kernels.fixed(L)
+    resident = [budgets[0] - plan.ffn_budget_bytes + sum(len(n) for n in placed.device_neurons[0]) * p.neuron]
+    resident += [sum(len(n) for n in placed.device_neurons[d]) * p.neuron for d in range(1, k)]
+    share = sum(len(n) for n in placed.gpu_neurons) / (L * F)
+    cover = sum(float(firing[l][placed.gpu_neurons[l]].sum()) for l in range(L)) / max(float(firing.sum()), 1e-30)
+    note = (f"{sum(n.startswith('attention.') for n in on_gpu)} of {L} attention layers and {share:.0%} of the FFN "
+            f"neurons ({cover:.0%} of the firings) on the GPU{'s' if k > 1 else ''}")
+    return Prediction("PowerInfer (neurons by the ILP)", cpu_dense + cpu_sparse, gpu, t, resident, note)

@@ -1,0 +1,120 @@
+"""The planner (placement.cost, python -m placement.plan): its bytes are the engine's, its times follow from them, its
+plans keep to the budgets; the command answers in one line when asked wrongly."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from placement.budget import GiB, HARDWARE
+from placement.cost import GPU_EFFICIENCY, Kernels, Parts, cpu_only, layers_on_gpu, neurons_placed
+from placement.synthetic import firing
+from ref.common.config import shape_config
+from ref.common.formats import FORMATS
+from tests.helpers import ROOT
+
+FLAT = Kernels(dense={f: 1.0 for f in FORMATS}, sparse={f: 0.5 for f in FORMATS}, token_seconds=1e-4,
+               layer_seconds=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4_0"])
+def test_parts_are_the_bytes_the_engine_reads(fmt):
+    """Dense and sparse, the planner's bytes a token reads are fast.bench's count over the engine's own matrices,
+    plus the norms' vectors (which that count leaves out)."""
+    from fast.bench import SyntheticSelector, bytes_per_token, dense_twin, random_engine, synthetic_predictors
+    from ref.predictor import predictor_size
+    from ref.quant import predictors_beside
+    cfg = shape_config("tiny", 2)
+    engine = random_engine(cfg, 1, fmt=FORMATS[fmt])
+    R = predictor_size(cfg)
+    engine.selector = SyntheticSelector(predictors_beside(synthetic_predictors(cfg, R), engine.format), cfg, 0.8)
+    p = Parts.of(cfg, FORMATS[fmt], predictor_hidden=R)
+    active, norms = engine.selector.mean_active(), (cfg.n_layers + 1) * cfg.d_model * 4
+    assert cfg.n_layers * (p.attention + cfg.d_ffn * p.neuron) + p.output == bytes_per_token(dense_twin(engine),
+                                                                                              cfg.d_ffn) + norms
+    assert cfg.n_layers * (p.attention + p.predictor + active * p.neuron) + p.output == pytest.approx(
+        bytes_per_token(engine, active) + norms)
+
+
+def test_cpu_time_is_bytes_over_bandwidth_plus_the_fixed_step():
+    cfg = shape_config("tiny", 3)
+    p = Parts.of(cfg, FORMATS["f16"], depth=100, predictor_hidden=64)
+    d = cpu_only(p, FORMATS["f16"], 10e9, None, FLAT)
+    assert d.cpu_bytes == 3 * (p.attention + cfg.d_ffn * p.neuron) + p.output
+    assert d.seconds == pytest.approx(d.cpu_bytes / 10e9 + 1e-4 + 3e-5)
+    active = np.full(3, 100.0)
+    s = cpu_only(p, FORMATS["f16"], 10e9, active, FLAT)
+    assert s.seconds == pytest.approx((3 * (p.attention + p.predictor) + p.output) / 10e9
+                                      + 300 * p.neuron / 5e9 + 1e-4 + 3e-5)
+    assert Parts.of(cfg, FORMATS["f16"], depth=100).attention - Parts.of(cfg, FORMATS["f16"]).attention == 2 * 100 * 4 * 32 * 2
+
+
+def test_gpu_plans_keep_to_the_budget_and_gain_with_it():
+    """llama.cpp's layers and PowerInfer's neurons within 1, 2 and 4 GiB: GPU memory within the budget, nothing on
+    the CPU once everything fits, decode no slower with more memory; PowerInfer reads less than llama.cpp."""
+    cfg = shape_config("tinyllama-1.1b")
+    fmt, hw = FORMATS["q4_0"], HARDWARE["rtx4090"]
+    p = Parts.of(cfg, fmt, predictor_hidden=256)
+    probs = np.stack([firing(cfg.d_ffn, 0.9)] * cfg.n_layers)
+    last = {}
+    for gib in (1, 2, 4):
+        layers = layers_on_gpu(p, fmt, hw, 30e9, 2048, gib * GiB, FLAT)
+        ours = neurons_placed(p, fmt, hw, 30e9, 2048, [gib * GiB], probs, [256 * (cfg.d_model + cfg.d_ffn)] * 22,
+                              kernels=FLAT)
+        for r in (layers, ours):
+            assert sum(r.gpu_resident) <= gib * GiB
+            assert r.tok_s >= last.get(r.plan[:5], 0) * 0.999
+            last[r.plan[:5]] = r.tok_s
+        assert ours.cpu_bytes + sum(ours.gpu_bytes) < layers.cpu_bytes + sum(layers.gpu_bytes)
+    assert ours.cpu_bytes == 0 and ours.seconds == pytest.approx(
+        sum(ours.gpu_bytes) / (hw.gpu_bandwidth * GPU_EFFICIENCY) + FLAT.fixed(22))
+    two = neurons_placed(p, fmt, hw, 30e9, 2048, [GiB // 2, GiB // 2], probs, [256 * (cfg.d_model + cfg.d_ffn)] * 22,
+                         kernels=FLAT)
+    assert len(two.gpu_bytes) == 2 and all(b <= GiB // 2 for b in two.gpu_resident)
+
+
+def plan(*args):
+    return subprocess.run([sys.executable, "-m", "placement.plan", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+def test_a_70b_plan_on_four_gpus_in_seconds():
+    t0 = time.perf_counter()
+    r = plan("llama-70b", "--hardware", "rtx4090", "--gpus", "4", "--type", "q4_0", "--sparsity", "0.9")
+    assert r.returncode == 0, r.stderr
+    assert time.perf_counter() - t0 < 60  # the 10 s target is measured in docs/benchmarks.md, not asserted here
+    lines = r.stdout.splitlines()
+    for plan_name in ("CPU only, dense", "CPU only, sparse", "llama.cpp layers (-ngl 80)", "PowerInfer"):
+        assert any(line.startswith(f"| {plan_name}") for line in lines), r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["llama-9b"], "MODEL_OR_SHAPE: 'llama-9b' is neither a model folder nor a shape"),
+    (["tiny", "--vram", "99"], "--vram 99 GiB: the rtx4090 has 24 GiB"),
+    (["tiny", "--sparsity", "1.5"], "--sparsity must be in [0, 1), got 1.5"),
+    (["tiny", "--hardware", "rtx9090"], "--hardware: unknown profile 'rtx9090'"),
+])
+def test_bad_requests_are_one_line(args, message):
+    r = plan(*args)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == f"error: {message}" or message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_profiled_folder_plans_on_its_own_firing(tmp_path):
+    """A model folder with activations.safetensors: its firing, not a power law, decides the placement."""
+    from ref.common.safetensors import write_safetensors
+    from tests.helpers import write_model
+    d = write_model(tmp_path / "m", {"intermediate_size": 128})
+    counts = np.zeros((2, 128), np.int64)
+    counts[:, :13] = 1000  # 10 % of the neurons fire on every token, the rest never
+    write_safetensors(d / "activations.safetensors", {**{f"layers.{l}.counts": counts[l] for l in range(2)},
+                                                      "tokens": np.array([1000], np.int64)})
+    r = plan(str(d), "--hardware", "cpu-only", "--json", "--type", "f32")
+    assert r.returncode == 0, r.stderr
+    import json
+    out = json.loads(r.stdout)
+    assert out["firing"].startswith("profiled firing")
+    dense, sparse = out["plans"]
+    assert dense["plan"] == "CPU only, dense" and sparse["cpu_bytes"] < dense["cpu_bytes"]
