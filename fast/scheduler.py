@@ -4,8 +4,8 @@ queue, take a KV-cache slot when one is free, and share each step with the other
 A step is one `forward` over a batch of runs: each generating request's last sampled token (decodes first, so that
 they keep their pace), then pending prompt tokens up to `batch_size` in all (a long prompt is fed in chunks over
 several steps, beside the running decodes; a prompt that begins as one seen before starts from the prefix cache's
-copy of those positions, `ref.common.prefix`). A request whose prompt is complete samples its next token from its run's
-logits with its own sampler and seed, so its text does not depend on what ran beside it. Text comes out through
+copy of those positions, `ref.common.prefix`). A request whose prompt is complete samples its next token from its
+run's logits with its own sampler and seed, so its text does not depend on what ran beside it. Text comes out through
 `TextStream` (whole UTF-8 characters, stop strings cut and never emitted) as events the HTTP layer reads:
 `("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message, http_status)`. A cancelled
 request (a client that went away) leaves its slot at the next step; a request whose own work fails on the engine

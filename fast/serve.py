@@ -198,6 +198,8 @@ def create_app(server: Server):
             ("prompt_tokens_cached_total", "counter", m["prompt_tokens_cached_total"],
              "prompt tokens restored from the prefix cache"),
             ("prefix_cache_bytes", "gauge", sched.prefix.nbytes if sched.prefix else 0, "bytes the prefix cache holds"),
+            ("prefix_cache_errors_total", "counter", m["prefix_cache_errors_total"],
+             "requests whose positions could not be stored in the prefix cache"),
             ("tokens_predicted_total", "counter", m["tokens_predicted_total"], "tokens generated"),
             ("decode_steps_total", "counter", m["decode_steps_total"], "forward steps"),
             ("forward_seconds_total", "counter", seconds, "seconds spent in forward steps"),

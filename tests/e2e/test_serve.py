@@ -82,6 +82,11 @@ def test_a_repeated_prompt_comes_from_the_prefix_cache(client, server):
     cold = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                      extra_body={"cache_prompt": False})
     assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.choices[0].text == first.choices[0].text
+    metrics = dict(line.split() for line in httpx.get(server.url + "/metrics").text.splitlines()
+                   if line.startswith("powerinfer_py:"))
+    assert float(metrics["powerinfer_py:prompt_tokens_cached_total"]) >= n - 1
+    assert float(metrics["powerinfer_py:prefix_cache_bytes"]) > 0
+    assert float(metrics["powerinfer_py:prefix_cache_errors_total"]) == 0
 
 
 def test_chat_with_the_openai_client(client):
