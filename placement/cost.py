@@ -94,6 +94,11 @@ def cpu_seconds(dense: float, sparse: float, fmt: Format, bandwidth: float, kern
     return dense / (bandwidth * kernels.dense[fmt.name]) + sparse / (bandwidth * kernels.sparse[fmt.name])
 
 
+def gpu_seconds(nbytes: float, hw: Hardware) -> float:
+    """Seconds a card takes to read `nbytes`: its spec bandwidth times what its kernels stream of it."""
+    return nbytes / (hw.gpu_bandwidth * GPU_EFFICIENCY)
+
+
 def cpu_only(p: Parts, fmt: Format, bandwidth: float, active: np.ndarray | None,
              kernels: Kernels = CPU_KERNELS) -> Prediction:
     """Every part on the CPU; `active` the expected neurons a token computes per layer [L] (None: dense, every
@@ -124,7 +129,7 @@ def layers_on_gpu(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: in
     layer = p.attention + F * p.neuron
     gpu = n * layer + (p.output if out_on_gpu else 0)
     cpu = (L - n) * layer + (0 if out_on_gpu else p.output)
-    t = gpu / (hw.gpu_bandwidth * GPU_EFFICIENCY) + cpu_seconds(cpu, 0, fmt, bandwidth, kernels)
+    t = gpu_seconds(gpu, hw) + cpu_seconds(cpu, 0, fmt, bandwidth, kernels)
     t += kernels.fixed(L) + (2 * hop(hw, cfg.d_model) if 0 < n < L or n and not out_on_gpu else 0)
     parts = dict(dense_parts(cfg, fmt, ctx, []))  # what whole_layers counted: each layer with its KV cache
     held = n * (parts["attention.0"] + parts["ffn_norms"] // L + F * p.neuron) + (parts["output"] if out_on_gpu else 0)
@@ -154,7 +159,7 @@ def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: i
         attention_here = f"attention.{l}" in on_gpu
         predictor_here = f"predictor.{l}" in on_gpu
         sides[0] += (p.attention if attention_here else 0) + (p.predictor if predictor_here else 0)
-        dense_cpu = (0 if attention_here else p.attention) + (0 if predictor_here or not p.predictor else p.predictor)
+        dense_cpu = (0 if attention_here else p.attention) + (0 if predictor_here else p.predictor)
         taken = np.zeros(F, bool)
         for d in range(k):
             ids = placed.device_neurons[d][l]
@@ -163,13 +168,13 @@ def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: i
         sparse_cpu = float(firing[l][~taken].sum()) * p.neuron
         cpu_dense, cpu_sparse = cpu_dense + dense_cpu, cpu_sparse + sparse_cpu
         t_cpu = cpu_seconds(dense_cpu, sparse_cpu, fmt, bandwidth, kernels)
-        t_gpu = [s / (hw.gpu_bandwidth * GPU_EFFICIENCY) for s in sides]
+        t_gpu = [gpu_seconds(s, hw) for s in sides]
         busy = [d for d in range(k) if sides[d] > 0]
         t += max([t_cpu, *t_gpu]) + (len(busy) * hop(hw, D) if busy and t_cpu > 0 else 0)
         gpu = [g + s for g, s in zip(gpu, sides)]
     if "output" in on_gpu:
         gpu[0] += p.output
-        t += p.output / (hw.gpu_bandwidth * GPU_EFFICIENCY)
+        t += gpu_seconds(p.output, hw)
     else:
         cpu_dense += p.output
         t += cpu_seconds(p.output, 0, fmt, bandwidth, kernels)

@@ -121,10 +121,16 @@ class KVCache:
             for arrays, fmt in zip((self.k[l], self.v[l]), self.formats):
                 K, (E, dtype) = self.shape[0], self.storage(fmt)
                 new = self.alloc((K, room, E), dtype, l)
-                for kv in range(K if length else 0):  # a head's positions at a time: each copy contiguous
-                    self.copy(new[kv, :length], arrays[seq][kv, :length])
+                if length:
+                    self.copy_heads(new[:, :length], arrays[seq][:, :length])
                 arrays[seq] = new
         self.version += 1
+
+    def copy_heads(self, dst, src) -> None:
+        """dst = src, runs of positions [K, m, E'] (a slot's, or a host array's), a head at a time: each copy one
+        contiguous run, host or device."""
+        for kv in range(self.shape[0]):
+            self.copy(dst[kv], src[kv])
 
     def shift(self, seq: int, keep: int, discard: int, rotate) -> None:
         """llama.cpp's context shift of slot `seq` (host arrays): positions keep..keep+discard-1 dropped, the later

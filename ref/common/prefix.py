@@ -86,8 +86,7 @@ class PrefixCache:
             self.touch(block, now)
             for l in range(len(cache.k)):
                 for slot, held in ((cache.k[l][seq], block.k[l]), (cache.v[l][seq], block.v[l])):
-                    for kv in range(cache.shape[0]):  # a head's positions: one contiguous copy, host or device
-                        cache.copy(slot[kv, a:a + m], held[kv, :m])
+                    cache.copy_heads(slot[:, a:a + m], held[:, :m])
             a += m
         cache.lengths[seq] = n
         return n
@@ -108,8 +107,7 @@ class PrefixCache:
                     for held, slot in ((child.k, cache.k[l][seq]), (child.v, cache.v[l][seq])):
                         K, R, E = slot.shape
                         copy = np.empty((K, len(want), E), slot.dtype)  # [K, B, E']
-                        for kv in range(K):
-                            cache.copy(copy[kv], slot[kv, i:i + len(want)])
+                        cache.copy_heads(copy, slot[:, i:i + len(want)])
                         held.append(copy)
                 node.children[want] = child
                 self.nbytes += child.nbytes
