@@ -28,3 +28,16 @@ def shipped_model():
 def shipped_tokenizer():
     import ref
     return ref.load_tokenizer(SHIPPED)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_default_thread():
+    """The default -t is the number of cores other processes leave idle (fast.engine.free_cores), which moves with
+    the suite's other process; an engine's sums split in chunks per thread, so two engines loaded a moment apart
+    could differ in their last bits. Tests that want threads ask for them."""
+    if "fast.engine" not in sys.modules:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sys.modules["fast.engine"], "free_cores", lambda *a, **k: 1)
+        yield

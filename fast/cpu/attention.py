@@ -12,12 +12,13 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fast.quant import decoded, dot4x4, n_rows, store
-from fast.quant.floats import axpy_tile
+from fast.quant.floats import HEADS, axpy_tile, scores_tile
 from fast.quant.target import FLOAT_LANES as LANES
-from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, rope
+from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, prefetch, rope
 from fast.cpu.matmul import matmul
 
 
@@ -29,6 +30,16 @@ def bits_f32(typingctx, i):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def fma_f32(typingctx, a, b, c):
+    """a b + c rounded once (llvm.fma, which LLVM vectorises and fastmath's reassociation leaves whole)."""
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
 @njit(fastmath=FASTMATH, inline="always")
 def exp_le0(x):
     """exp(x) in float32 for x <= 0, within 1 ulp (6e-8 relative), in plain arithmetic so that a loop of it
@@ -36,8 +47,10 @@ def exp_le0(x):
     n = round(x log2 e), r = x - n ln 2 (|r| <= ln 2 / 2, Taylor to degree 7), 2^n by the exponent bits. Below -87
     (float32's smallest normal) it returns exp(-87), nothing beside a softmax's largest term, 1."""
     x = max(x, np.float32(-87.0))
-    n = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)  # ln 2 in two parts (Cody and Waite)
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))  # float32 (math.floor's int64 made it float64)
+    # ln 2 in two parts (Cody and Waite), each product subtracted in an fma: as x - n ln2_hi - n ln2_lo, fastmath
+    # may fold them into x - n ln 2 (3 ulp at x = -87)
+    r = fma_f32(n, np.float32(2.12194440e-4), fma_f32(n, np.float32(-0.693359375), x))  # the first exact
     p = np.float32(1 / 5040)
     p = p * r + np.float32(1 / 720)
     p = p * r + np.float32(1 / 120)
@@ -69,14 +82,18 @@ def attend(acc, ml, q, k, v, s0, s1):
     acc[g] = sum_s p_gs v[s] and ml[g] = (m_g, l_g), p_gs = exp(q[g] . k[s] / sqrt(E) - m_g) with m_g the largest
     scaled score and l_g = sum_s p_gs (merge turns partials into the softmax).
 
-    Per block of BLOCK positions: the scores, 4 positions x 4 heads per step (dot4x4: each row loaded once for 16
-    products, one transpose-sum); the running max, sum and acc rescaled where the max rises; the exponentials in one
-    vectorised pass (exp_le0); the values, 4 heads' outputs held in registers over the block (axpy_tile). Heads left
-    over from the fours, or a head dim off the vector lanes, go row by row. A head's rows are contiguous (the cache
-    is head-major), so the reads are two forward streams; rows in f16, bf16 or q8_0 are decoded a block at a time
-    (fast.quant.decoded).  acc, q: [G, E]; ml: [G, 2]; k, v: [>= s1, E / block] in the cache's formats."""
+    Per block of BLOCK positions: the scores (scores_of); the running max, sum and acc rescaled where the max rises;
+    the exponentials in one vectorised pass (exp_le0); the values, 4 heads' outputs held in registers over the block
+    (axpy_tile), heads left over from the fours or a head dim off the vector lanes row by row. A head's rows are
+    contiguous (the cache is head-major), so the reads are two forward streams; rows in f16, bf16 or q8_0 are decoded
+    a block at a time (fast.quant.decoded).  acc, q: [G, E]; ml: [G, 2]; k, v: [>= s1, E / block] in the cache's
+    formats."""
     G, E = q.shape
     scale = np.float32(1.0 / math.sqrt(E))
+    qs, qt = np.empty((G, E), np.float32), np.empty((E, G), np.float32)  # the queries scaled, and transposed
+    for g in range(G):
+        for e in range(E):
+            qs[g, e] = qt[e, g] = q[g, e] * scale
     scores = np.empty((G, BLOCK), np.float32)
     kbuf, vbuf = np.empty((BLOCK, E), np.float32), np.empty((BLOCK, E), np.float32)  # decoded rows
     G4 = G - G % 4 if E % LANES == 0 else 0  # heads in fours through the register tiles; the rest row by row
@@ -86,35 +103,10 @@ def attend(acc, ml, q, k, v, s0, s1):
             acc[g, e] = 0.0
     for b0 in range(s0, s1, BLOCK):
         nb = min(BLOCK, s1 - b0)
-        kb = decoded(k, b0, nb, kbuf)  # [nb, E]
-        for j in range(0, nb - 3, 4):
-            for g in range(0, G4, 4):  # 4 positions x 4 heads: each row loaded once for 16 products
-                (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33) = dot4x4(
-                    kb[j], kb[j + 1], kb[j + 2], kb[j + 3], q[g], q[g + 1], q[g + 2], q[g + 3],
-                    kb[j], kb[j + 1], kb[j + 2], kb[j + 3])  # s_ih: position j + i, head g + h
-                scores[g, j], scores[g + 1, j], scores[g + 2, j], scores[g + 3, j] = s00, s01, s02, s03
-                scores[g, j + 1], scores[g + 1, j + 1], scores[g + 2, j + 1], scores[g + 3, j + 1] = s10, s11, s12, s13
-                scores[g, j + 2], scores[g + 1, j + 2], scores[g + 2, j + 2], scores[g + 3, j + 2] = s20, s21, s22, s23
-                scores[g, j + 3], scores[g + 1, j + 3], scores[g + 2, j + 3], scores[g + 3, j + 3] = s30, s31, s32, s33
-            for g in range(G4, G):
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for e in range(E):
-                    qe = q[g, e]
-                    a0 += qe * kb[j, e]
-                    a1 += qe * kb[j + 1, e]
-                    a2 += qe * kb[j + 2, e]
-                    a3 += qe * kb[j + 3, e]
-                scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3] = a0, a1, a2, a3
-        for j in range(nb - nb % 4, nb):
-            for g in range(G):
-                a0 = np.float32(0.0)
-                for e in range(E):
-                    a0 += q[g, e] * kb[j, e]
-                scores[g, j] = a0
+        scores_of(scores, qs, qt, decoded(k, b0, nb, kbuf), nb, k, v, b0 + BLOCK, s1)
         for g in range(G):
             m = ml[g, 0]
             for j in range(nb):
-                scores[g, j] *= scale
                 m = max(m, scores[g, j])
             if m > ml[g, 0]:  # rescale what the earlier blocks summed
                 c = exp_le0(ml[g, 0] - m)
@@ -140,6 +132,58 @@ def attend(acc, ml, q, k, v, s0, s1):
                 p0 = scores[g, j]
                 for e in range(E):
                     acc[g, e] += p0 * vb[j, e]
+
+
+@njit(inline="always")
+def hint_rows(rows, first, n):
+    """Hint rows first..first + n - 1 of a C-contiguous [S, m] array into L2 (none where n <= 0)."""
+    for off in range(0, max(n, 0) * rows.shape[1] * rows.itemsize, 64):
+        prefetch(rows, first * rows.shape[1], off)
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def scores_of(scores, qs, qt, kb, nb, k, v, ahead, s1):
+    """scores[g, j] = qs[g] . kb[j] for j < nb: heads in eights against eight rows at a time (scores_tile: the heads
+    in a vector's lanes, so no horizontal sums), the heads left over from the eights in fours against four rows
+    (dot4x4: 16 products from 8 loaded rows, summed by one transpose), the rest four rows at a time. With each eight
+    rows, the next block's eight rows of k and v (from `ahead`, before s1) are hinted into L2: the hardware prefetcher
+    stops at each 4 KiB page (16 rows of a TinyLlama head), and hints spread over the block's work keep the reads
+    going through it (a block's hints at once queued ahead of its own loads and lost time).  scores: [G, BLOCK];
+    qs: [G, E]; qt: [E, G]; kb: [>= nb, E]; k, v: [S, E / block]."""
+    G, E = qs.shape
+    G8 = G - G % HEADS
+    G4 = G8 + (G - G8) // 4 * 4 if E % LANES == 0 else G8
+    n8, n4 = nb - nb % HEADS, nb - nb % 4
+    for j in range(0, n8, HEADS):
+        hint_rows(k, ahead + j, min(HEADS, s1 - ahead - j))
+        hint_rows(v, ahead + j, min(HEADS, s1 - ahead - j))
+        for g in range(0, G8, HEADS):
+            scores_tile(scores, qt, kb, j, g)
+    for j in range(0, n4, 4):
+        for g in range(G8, G4, 4):
+            (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33) = dot4x4(
+                kb[j], kb[j + 1], kb[j + 2], kb[j + 3], qs[g], qs[g + 1], qs[g + 2], qs[g + 3],
+                kb[j], kb[j + 1], kb[j + 2], kb[j + 3])  # s_ih: position j + i, head g + h
+            scores[g, j], scores[g + 1, j], scores[g + 2, j], scores[g + 3, j] = s00, s01, s02, s03
+            scores[g, j + 1], scores[g + 1, j + 1], scores[g + 2, j + 1], scores[g + 3, j + 1] = s10, s11, s12, s13
+            scores[g, j + 2], scores[g + 1, j + 2], scores[g + 2, j + 2], scores[g + 3, j + 2] = s20, s21, s22, s23
+            scores[g, j + 3], scores[g + 1, j + 3], scores[g + 2, j + 3], scores[g + 3, j + 3] = s30, s31, s32, s33
+    for g in range(G4, G):  # heads past the fours, four rows at a time
+        for j in range(0, n4, 4):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for e in range(E):
+                qe = qs[g, e]
+                a0 += qe * kb[j, e]
+                a1 += qe * kb[j + 1, e]
+                a2 += qe * kb[j + 2, e]
+                a3 += qe * kb[j + 3, e]
+            scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3] = a0, a1, a2, a3
+    for g in range(G):  # the rows the tiles left: past the eights' last eight, or past the last four
+        for j in range(n8 if g < G8 else n4, nb):
+            a = np.float32(0.0)
+            for e in range(E):
+                a += qs[g, e] * kb[j, e]
+            scores[g, j] = a
 
 
 @njit(fastmath=FASTMATH, inline="always")

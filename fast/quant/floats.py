@@ -216,6 +216,64 @@ def axpy_tile(typingctx, acc, p, v, g0, n):
     return types.void(acc, p, v, g0, n), codegen
 
 
+def _transpose(builder, vs):
+    """The n vectors of n lanes vs as columns: lane p of result i is lane i of vs[p] (n a power of two; per bit of
+    the index, pairs of vectors trade the lanes that differ in it: 3 rounds of 8 shuffles for 8 x 8)."""
+    n, b = len(vs), 1
+    while b < n:
+        out = list(vs)
+        for p in range(n):
+            if p & b:
+                continue
+            a, c = vs[p], vs[p | b]  # lanes of c are n + l in a shuffle of (a, c)
+            out[p] = builder.shuffle_vector(a, c, _lanes(*[l if not l & b else n + (l ^ b) for l in range(n)]))
+            out[p | b] = builder.shuffle_vector(a, c, _lanes(*[l | b if not l & b else n + l for l in range(n)]))
+        vs, b = out, 2 * b
+    return vs
+
+
+HEADS = 8  # query heads and positions of a scores_tile
+
+
+@intrinsic
+def scores_tile(typingctx, s, qt, k, j0, g0):
+    """s[g0 + i, j0 + p] = qt[:, g0 + i] . k[j0 + p] for i, p < HEADS: eight query heads' products with eight rows,
+    the heads in the lanes of one accumulator per row (each step: the heads' query elements loaded once, each row's
+    element broadcast, 8 FMAs; no horizontal sums, which cost dot4x4 about as much as its FMAs where rows are as
+    short as a head), then the 8 x 8 transposed in registers into eight rows of s.  s: [G, >= j0 + 8]; qt: [E, G],
+    the queries transposed; k: [>= j0 + 8, E]; all float32, C-contiguous."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+               for a in (s, qt, k)):
+        return None
+    n = HEADS
+    vec = _vec(F32, n)
+
+    def codegen(context, builder, sig, args):
+        S, Q, K = (context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[:3], args[:3]))
+        j0, g0 = args[3], args[4]
+        E, G = cgutils.unpack_tuple(builder, Q.shape)
+        stride_s = cgutils.unpack_tuple(builder, S.shape)[1]
+        sp, qp, kp = S.data, Q.data, K.data  # float*
+        rows = [builder.mul(builder.add(j0, I64(p)), E) for p in range(n)]
+
+        def step(e, accs):
+            qv = builder.load(builder.bitcast(builder.gep(qp, [builder.add(builder.mul(e, G), g0)]),
+                                              vec.as_pointer()), align=4)
+            for p in range(n):
+                b = _broadcast(builder, builder.load(builder.gep(kp, [builder.add(rows[p], e)])), n)
+                accs = builder.insert_value(accs, _call(builder, f"llvm.fma.v{n}f32", vec, qv, b,
+                                                        builder.extract_value(accs, p)), p)
+            return accs
+        zero = ir.Constant(vec, [0.0] * n)
+        accs = _block_loop(builder, E, ir.Constant(ir.LiteralStructType([vec] * n), [zero] * n), step)
+        heads = _transpose(builder, [builder.extract_value(accs, p) for p in range(n)])
+        for i, h in enumerate(heads):
+            at = builder.gep(sp, [builder.add(builder.mul(builder.add(g0, I64(i)), stride_s), j0)])
+            builder.store(h, builder.bitcast(at, vec.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.void(s, qt, k, j0, g0), codegen
+
+
 @intrinsic
 def widen(typingctx, out, row):
     """out = the float32 values of an f16 or bf16 row, target.FLOAT_LANES at a time (vcvtph2ps, or a shift), for

@@ -405,6 +405,11 @@ SHAPES = [
     ("attention", dict(T=2, S=150, H=8, K=2, E=32), False), ("attention", dict(T=1, S=67, H=10, K=2, E=64), False),
     ("attention", dict(T=1, S=600, H=8, K=1, E=96, kv=("q8_0", "q8_0")), False),
     ("attention", dict(T=2, S=70, H=4, K=1, E=8, kv=("f16", "bf16")), False),  # halves widened element by element
+    # groups of 8, 12 and 10 query heads: eights with the heads in the lanes (scores_tile), then fours, then the rest;
+    # positions past the last eight and the last four
+    ("attention", dict(T=1, S=75, H=8, K=1, E=64), False), ("attention", dict(T=2, S=134, H=24, K=2, E=32), False),
+    ("attention", dict(T=1, S=70, H=10, K=1, E=64, kv=("f16", "f16")), False),
+    ("attention", dict(T=1, S=13, H=16, K=1, E=12, kv=("bf16", "f32")), False),
     ("attention", dict(T=3, S=1100, H=4, K=2, E=8), False),  # several work items (SPLIT), blocks with a tail
     ("attention", dict(T=1, S=1024, H=2, K=1, E=4), False),  # items and blocks without a tail
     ("sparse_ffn", dict(F=77, D=19, n_active=0, kind="relu"), False),
