@@ -32,9 +32,10 @@ if [ "$DRY" = 1 ]; then
   echo "dry run: numba's CUDA simulator, no device"
   "$PY" -m pytest -q --co "${TESTS[@]}" 2>&1 | tail -1
   BENCH=(--shape micro-32 --tokens 1 --runs 1 --budgets 40 -t 1)
-  # the simulator runs each thread as a Python thread: launch constants shrunk as the tests shrink them
-  BENCH_GPU=(-c "import runpy, sys; from fast import gpu; gpu.THREADS = gpu.TILE = 4; gpu.CHUNKS = 3
-sys.argv[0] = 'scripts/bench_gpu.py'; runpy.run_path(sys.argv[0], run_name='__main__')")
+  # the simulator runs each thread as a Python thread: launch constants shrunk as the tests shrink them, and the
+  # interpreter's switch interval as tests/conftest.py sets it (its threads' hand-overs: 200 s -> 36 s a format)
+  BENCH_GPU=(-c "import runpy, sys; sys.setswitchinterval(1e-4); from fast import gpu; gpu.THREADS = gpu.TILE = 4
+gpu.CHUNKS = 3; sys.argv[0] = 'scripts/bench_gpu.py'; runpy.run_path(sys.argv[0], run_name='__main__')")
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   timeout 180 "$PY" -m pytest -q "${TESTS[@]}" 2>&1 | tail -5
