@@ -30,6 +30,8 @@ class Hardware:
     pcie_bandwidth: float
     pcie_latency: float  # one small transfer, host <-> device
     sync_cost: float  # per-layer event/stream synchronisation between the executors
+    cpu_flops: float = 0.0  # the CPU's float32 multiply-add peak, FLOP/s (2 per FMA): what bounds a prompt
+    gpu_flops: float = 0.0  # the card's FP16 tensor peak with float32 accumulation, FLOP/s (dense)
 
     def min_cpu_neurons(self, neuron_bytes: int, d_model: int) -> int:
         """C_l: the fewest CPU neurons worth a CPU/GPU round trip.
@@ -48,15 +50,21 @@ HARDWARE = {
     # RTX 4090 desktop: 24 GiB GDDR6X at 1008 GB/s (NVIDIA spec sheet); PCIe 4.0 x16, ~25 GB/s achieved of 32
     # (nvbandwidth-style pinned copies); DDR5-5600 dual channel, ~60 GB/s achieved of 89.6 (STREAM triad);
     # ~10 us for a small cudaMemcpyAsync, ~20 us for an event wait plus thread wake-up (PowerInfer paper, section 7).
-    "rtx4090": Hardware("rtx4090", 24 * GiB, 1008e9, 60e9, 25e9, 10e-6, 20e-6),
+    # FP16 tensor with FP32 accumulate 165.2 TFLOPS (NVIDIA Ada whitepaper); the paper's i9-13900K: 8 P-cores x 2
+    # AVX2 FMA units x 8 lanes x 2 FLOP at 5.4 GHz plus 16 E-cores x 1 x 8 x 2 at 4.3 GHz, about 1.5 TFLOPS.
+    "rtx4090": Hardware("rtx4090", 24 * GiB, 1008e9, 60e9, 25e9, 10e-6, 20e-6, 1.5e12, 165.2e12),
     # RTX 2080 Ti: 11 GiB GDDR6 at 616 GB/s (NVIDIA spec sheet); PCIe 3.0 x16, ~12 GB/s achieved of 15.8;
     # DDR4-3200 dual channel, ~40 GB/s achieved of 51.2 (the PowerInfer paper's low-end PC).
-    "rtx2080ti": Hardware("rtx2080ti", 11 * GiB, 616e9, 40e9, 12e9, 10e-6, 20e-6),
+    # FP16 tensor with FP32 accumulate 53.8 TFLOPS (NVIDIA Turing whitepaper, GeForce); i7-12700K: 8 P-cores x 2 x 8
+    # x 2 at 4.9 GHz plus 4 E-cores x 1 x 8 x 2 at 3.8 GHz, about 1.5 TFLOPS.
+    "rtx2080ti": Hardware("rtx2080ti", 11 * GiB, 616e9, 40e9, 12e9, 10e-6, 20e-6, 1.5e12, 53.8e12),
     # H200 SXM: 141 GB HBM3e at 4.8 TB/s (NVIDIA spec sheet; ~139 GiB usable); PCIe 5.0 x16 host link,
     # ~50 GB/s achieved of 64; 8-channel DDR5 host, ~250 GB/s achieved.
-    "h200": Hardware("h200", 139 * GiB, 4.8e12, 250e9, 50e9, 5e-6, 10e-6),
+    # FP16 tensor 989 TFLOPS dense (NVIDIA H200 spec sheet); a 2 x 48-core AVX-512 host, about 6 TFLOPS.
+    "h200": Hardware("h200", 139 * GiB, 4.8e12, 250e9, 50e9, 5e-6, 10e-6, 6e12, 989e12),
     # No GPU: everything on the CPU (PowerInfer's CPU-only mode); the bandwidths are this project's 2-core CI machine.
-    "cpu-only": Hardware("cpu-only", 0, 1.0, 23e9, 1.0, 0.0, 0.0),
+    # Its FLOP/s: what fast.quant.floats.axpy_tile reaches on data in L1 with both cores (about 100 GFMA/s).
+    "cpu-only": Hardware("cpu-only", 0, 1.0, 23e9, 1.0, 0.0, 0.0, 200e9, 0.0),
 }
 HARDWARE_FIELDS = tuple(Hardware.__dataclass_fields__)
 
@@ -68,7 +76,7 @@ def hardware_for(device_name: str, vram_bytes: int) -> Hardware:
             return hw
     base = HARDWARE["rtx4090"]
     return Hardware(f"device:{device_name}", vram_bytes or base.vram_bytes, base.gpu_bandwidth, base.cpu_bandwidth,
-                    base.pcie_bandwidth, base.pcie_latency, base.sync_cost)
+                    base.pcie_bandwidth, base.pcie_latency, base.sync_cost, base.cpu_flops, base.gpu_flops)
 
 
 def load_hardware(name_or_file: str) -> Hardware:

@@ -58,6 +58,17 @@ class Parts:
     predictor: int  # a layer's predictor (0: none)
     output: int  # the final norm and the output layer
     cfg: ModelConfig
+    kv_position: int = 0  # a layer's keys and values of one position
+    depth: int = 0  # the positions `attention` reads the keys and values of
+
+    @property
+    def attention_weights(self) -> int:
+        return self.attention - self.depth * self.kv_position
+
+    @property
+    def weights(self) -> int:
+        """Every layer's weights and the output layer's: what a dense prompt token multiplies."""
+        return self.cfg.n_layers * (self.attention_weights + self.cfg.d_ffn * self.neuron) + self.output
 
     @staticmethod
     def of(cfg: ModelConfig, fmt: Format, depth: int = 0, kv: Format = FORMATS["f16"],
@@ -65,12 +76,13 @@ class Parts:
         D, E, H, K = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         vector = 4  # a norm's weights: float32 in the engines
         attention = 2 * fmt.nbytes((H * E, D)) + 2 * fmt.nbytes((K * E, D)) + D * vector
-        attention += 2 * depth * K * kv.row_bytes(E)
+        kv_position = 2 * K * kv.row_bytes(E)
+        attention += depth * kv_position
         R = predictor_hidden
         pfmt = predictor_format(fmt, int(np.gcd(D, R)) if R else None)
         predictor = pfmt.nbytes((R, D)) + pfmt.nbytes((cfg.d_ffn, R)) if R else 0
         return Parts(attention, cfg.ffn_matrices * fmt.row_bytes(D), predictor,
-                     D * vector + fmt.nbytes((cfg.vocab_size, D)), cfg)
+                     D * vector + fmt.nbytes((cfg.vocab_size, D)), cfg, kv_position, depth)
 
 
 @dataclass
@@ -83,10 +95,43 @@ class Prediction:
     seconds: float
     gpu_resident: list = field(default_factory=list)  # bytes per GPU
     note: str = ""
+    gpu_weights: float = 0.0  # of the weights, the bytes the GPUs hold (a prompt's GPU share)
+    host_resident: float = 0.0  # bytes the host holds: the weights and predictors left to it, its keys and values
+    prompt_seconds: float = 0.0  # a prompt token's (prompt_seconds)
 
     @property
     def tok_s(self) -> float:
         return 1.0 / self.seconds
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return 1.0 / self.prompt_seconds if self.prompt_seconds else 0.0
+
+
+# A prompt is bound by its multiply-adds, every neuron's (a prompt's tokens together fire nearly all): the share of the
+# CPU's float32 peak (Hardware.cpu_flops) this project's prompt path reaches, from scripts/bench.py --pp 512 on the
+# TinyLlama shape, dense, 2 threads, against the cpu-only profile's 200 GFLOP/s (f32 95.3, q8_0 107.7, q4_0 118.6
+# tokens/s at 2.07 GFLOP a token: integer dot products pass the float peak); f16 and bf16 take f32's (their rows are
+# widened to float32 for the same GEMM).
+CPU_PROMPT = {"f32": 0.99, "f16": 0.99, "bf16": 0.99, "q8_0": 1.11, "q4_0": 1.23}
+# The share of a card's FP16 tensor peak its prompt GEMMs reach: an assumption (llama.cpp's cuBLAS and MMQ paths
+# reach 40 to 70 % on large batches) until bench_gpu.py times one.
+GPU_PROMPT_EFFICIENCY = 0.5
+PROMPT_BATCH = 512  # llama.cpp's -b: a batch this large runs the host's layers on the card, their weights copied
+
+
+def prompt_seconds(pred: Prediction, p: Parts, fmt: Format, hw: Hardware) -> float:
+    """Seconds per prompt token: 2 multiply-add FLOPs per weight, each side's weights at its rate; where a card is
+    used, the host's weights either computed by the CPU or copied over PCIe once per batch and computed on the
+    card, whichever is faster (llama.cpp offloads a large batch's host matrices)."""
+    per_byte = 2 * p.cfg.d_model / fmt.row_bytes(p.cfg.d_model)  # FLOPs per byte of weights
+    gpu_rate = hw.gpu_flops * GPU_PROMPT_EFFICIENCY
+    host = p.weights - pred.gpu_weights
+    t = host * per_byte / (hw.cpu_flops * CPU_PROMPT[fmt.name])
+    if pred.gpu_weights and gpu_rate:
+        t = min(t, host / (hw.pcie_bandwidth * PROMPT_BATCH) + host * per_byte / gpu_rate)
+        t += pred.gpu_weights * per_byte / gpu_rate
+    return t
 
 
 def cpu_seconds(dense: float, sparse: float, fmt: Format, bandwidth: float, kernels: Kernels) -> float:
@@ -100,16 +145,17 @@ def gpu_seconds(nbytes: float, hw: Hardware) -> float:
 
 
 def cpu_only(p: Parts, fmt: Format, bandwidth: float, active: np.ndarray | None,
-             kernels: Kernels = CPU_KERNELS) -> Prediction:
+             kernels: Kernels = CPU_KERNELS, ctx: int = 0) -> Prediction:
     """Every part on the CPU; `active` the expected neurons a token computes per layer [L] (None: dense, every
-    neuron, no predictor)."""
+    neuron, no predictor); the host holds every weight and `ctx` positions of keys and values."""
     L, F = p.cfg.n_layers, p.cfg.d_ffn
     if active is None:
         dense, sparse, name = L * (p.attention + F * p.neuron) + p.output, 0.0, "CPU only, dense"
     else:
         dense, sparse, name = L * (p.attention + p.predictor) + p.output, float(np.sum(active)) * p.neuron, "CPU only, sparse"
     t = cpu_seconds(dense, sparse, fmt, bandwidth, kernels) + kernels.fixed(L)
-    return Prediction(name, dense + sparse, [], t)
+    host = p.weights + (0 if active is None else L * p.predictor) + L * ctx * p.kv_position
+    return Prediction(name, dense + sparse, [], t, host_resident=host)
 
 
 def hop(hw: Hardware, D: int) -> float:
@@ -133,7 +179,10 @@ def layers_on_gpu(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: in
     t += kernels.fixed(L) + (2 * hop(hw, cfg.d_model) if 0 < n < L or n and not out_on_gpu else 0)
     parts = dict(dense_parts(cfg, fmt, ctx, []))  # what whole_layers counted: each layer with its KV cache
     held = n * (parts["attention.0"] + parts["ffn_norms"] // L + F * p.neuron) + (parts["output"] if out_on_gpu else 0)
-    return Prediction(f"llama.cpp layers (-ngl {n})", cpu, [gpu], t, [held], f"{n} of {L} layers on the GPU")
+    weights_on_gpu = n * (p.attention_weights + F * p.neuron) + (p.output if out_on_gpu else 0)
+    host = p.weights - weights_on_gpu + (L - n) * ctx * p.kv_position
+    return Prediction(f"llama.cpp layers (-ngl {n})", cpu, [gpu], t, [held], f"{n} of {L} layers on the GPU",
+                      weights_on_gpu, host)
 
 
 def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: int, budgets: list[int],
@@ -185,4 +234,10 @@ def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: i
     cover = sum(float(firing[l][placed.gpu_neurons[l]].sum()) for l in range(L)) / max(float(firing.sum()), 1e-30)
     note = (f"{sum(n.startswith('attention.') for n in on_gpu)} of {L} attention layers and {share:.0%} of the FFN "
             f"neurons ({cover:.0%} of the firings) on the GPU{'s' if k > 1 else ''}")
-    return Prediction("PowerInfer (neurons by the ILP)", cpu_dense + cpu_sparse, gpu, t, resident, note)
+    attention_on_gpu = sum(f"attention.{l}" in on_gpu for l in range(L))
+    weights_on_gpu = (attention_on_gpu * p.attention_weights + sum(map(len, placed.gpu_neurons)) * p.neuron
+                      + (p.output if "output" in on_gpu else 0))
+    predictors_on_cpu = sum(f"predictor.{l}" not in on_gpu for l in range(L)) * p.predictor
+    host = p.weights - weights_on_gpu + predictors_on_cpu + (L - attention_on_gpu) * ctx * p.kv_position
+    return Prediction("PowerInfer (neurons by the ILP)", cpu_dense + cpu_sparse, gpu, t, resident, note,
+                      weights_on_gpu, host)

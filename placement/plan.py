@@ -1,9 +1,10 @@
 """`python -m placement.plan MODEL_OR_SHAPE --hardware NAME`: what a machine will give before it is bought or the
 model downloaded. For the CPU alone (dense and sparse), llama.cpp's whole layers on the GPU and PowerInfer's neurons
-placed by the ILP: the bytes a decode token reads on each device, the predicted decode tok/s (placement.cost) and
-what the GPU holds. A prediction from a cost model, not a measurement: scripts/plan_check.py compares it with
+placed by the ILP: the bytes a decode token reads on each device, the predicted decode and prompt tok/s
+(placement.cost), and what the GPU and the host hold (weights, predictors, keys and values for -c). A prediction from a cost model, not a measurement: scripts/plan_check.py compares it with
 scripts/bench.py on this machine."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import click
 import numpy as np
 
 from placement.budget import GiB, HARDWARE, load_hardware
-from placement.cost import CPU_KERNELS, GPU_EFFICIENCY, Parts, cpu_only, layers_on_gpu, neurons_placed
+from placement.cost import CPU_KERNELS, GPU_EFFICIENCY, Parts, cpu_only, layers_on_gpu, neurons_placed, prompt_seconds
 from placement.synthetic import firing
 from ref.common.artifacts import load_activations
 from ref.common.cli import FORMAT_CHOICE, user_errors
@@ -62,10 +63,11 @@ def firing_of(cfg: ModelConfig, folder: Path | None, sparsity: float | None) -> 
 @click.option("--depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="Positions cached when a token decodes (their keys and values are read).")
 @click.option("--cpu-bandwidth", type=float, default=None, help="GB/s the CPU reads [default: the profile's].")
+@click.option("--ram", type=float, default=None, help="GiB of host memory: plans that need more are marked.")
 @click.option("--layers", type=int, default=None, help="Cut a shape to this many layers.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout instead of the table.")
 @user_errors
-def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_bandwidth, layers, as_json):
+def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_bandwidth, ram, layers, as_json):
     """Predicted decode tok/s of MODEL (a folder or a shape name) on a machine: CPU only, llama.cpp's layers on the
     GPU, PowerInfer's neuron placement."""
     cfg, folder = model_config(model, layers)
@@ -73,6 +75,8 @@ def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_band
     fmt = FORMATS[type_]
     if vram is not None and not 0 <= vram * GiB <= hw.vram_bytes:
         raise UserError(f"--vram {vram:g} GiB: the {hw.name} has {hw.vram_bytes / GiB:g} GiB")
+    if ram is not None and not ram > 0:
+        raise UserError(f"--ram must be a positive number of GiB, got {ram:g}")
     if ctx_size < 1 or depth > ctx_size:
         raise UserError(f"-c/--ctx-size must be >= 1 and >= --depth, got {ctx_size} (depth {depth})")
     bandwidth = (cpu_bandwidth or hw.cpu_bandwidth / 1e9) * 1e9
@@ -80,33 +84,45 @@ def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_band
     probs, source = firing_of(cfg, folder, sparsity)
     R = predictor_size(cfg)
     p = Parts.of(cfg, fmt, depth, predictor_hidden=R)
-    rows = [cpu_only(p, fmt, bandwidth, None), cpu_only(p, fmt, bandwidth, probs.sum(axis=1))]
+    rows = [cpu_only(p, fmt, bandwidth, None, ctx=ctx_size), cpu_only(p, fmt, bandwidth, probs.sum(axis=1), ctx=ctx_size)]
     if hw.vram_bytes:
         rows.append(layers_on_gpu(p, fmt, hw, bandwidth, ctx_size, gpus * budget))  # llama.cpp splits the layers
         rows.append(neurons_placed(p, fmt, hw, bandwidth, ctx_size, [budget] * gpus, probs,
                                    [R * (cfg.d_model + cfg.d_ffn)] * cfg.n_layers))
+    rows = [dataclasses.replace(r, prompt_seconds=prompt_seconds(r, p, fmt, hw)) for r in rows]
     weights = cfg.n_layers * (p.attention + cfg.d_ffn * p.neuron) + p.output
+    kv = cfg.n_layers * ctx_size * p.kv_position
+    fits = {r.plan: ram is None or r.host_resident <= ram * GiB for r in rows}
     if as_json:
         click.echo(json.dumps({"model": model, "hardware": hw.name, "gpus": gpus, "type": fmt.name, "firing": source,
-                               "weights_bytes": weights, "plans": [
+                               "weights_bytes": p.weights, "predictors_bytes": cfg.n_layers * p.predictor,
+                               "kv_bytes": kv, "ctx_size": ctx_size, "plans": [
                                    {"plan": r.plan, "cpu_bytes": r.cpu_bytes, "gpu_bytes": r.gpu_bytes,
-                                    "tok_s": r.tok_s, "gpu_resident_bytes": r.gpu_resident, "note": r.note}
+                                    "tok_s": r.tok_s, "prompt_tok_s": r.prompt_tok_s,
+                                    "gpu_resident_bytes": r.gpu_resident, "host_resident_bytes": r.host_resident,
+                                    "fits_ram": fits[r.plan], "note": r.note}
                                    for r in rows]}))
         return
     click.echo(f"{model}: {cfg.n_params / 1e9:.2f} B parameters, {fmt.name} {weights / GiB:.2f} GiB a token reads "
                f"dense at depth {depth}; {source}; predictors of {R} hidden")
-    click.echo(f"{hw.name}: {gpus} x {hw.vram_bytes / GiB:g} GiB at {hw.gpu_bandwidth / 1e9:g} GB/s "
-               f"({GPU_EFFICIENCY:.0%} of it streamed), CPU {bandwidth / 1e9:g} GB/s (this project's kernels: "
-               f"{CPU_KERNELS.dense[fmt.name]:.0%} dense, {CPU_KERNELS.sparse[fmt.name]:.0%} sparse), "
-               f"PCIe {hw.pcie_bandwidth / 1e9:g} GB/s")
-    click.echo("| plan | CPU reads / token | GPU reads / token | GPU holds | decode tok/s (predicted) |")
-    click.echo("| --- | ---: | ---: | ---: | ---: |")
+    card = (f"{gpus} x {hw.vram_bytes / GiB:g} GiB at {hw.gpu_bandwidth / 1e9:g} GB/s ({GPU_EFFICIENCY:.0%} of it "
+            f"streamed), {hw.gpu_flops / 1e12:g} TFLOP/s, PCIe {hw.pcie_bandwidth / 1e9:g} GB/s; " if hw.vram_bytes
+            else "no GPU; ")
+    click.echo(f"{hw.name}: {card}CPU {bandwidth / 1e9:g} GB/s (this project's kernels: {CPU_KERNELS.dense[fmt.name]:.0%}"
+               f" dense, {CPU_KERNELS.sparse[fmt.name]:.0%} sparse), {hw.cpu_flops / 1e12:g} TFLOP/s")
+    click.echo(f"memory: weights {p.weights / GiB:.2f} GiB, predictors {cfg.n_layers * p.predictor / GiB:.2f} GiB, "
+               f"keys and values of -c {ctx_size} {kv / GiB:.2f} GiB (f16)")
+    click.echo("| plan | CPU reads / token | GPU reads / token | GPU holds | host holds | decode tok/s | prompt tok/s |")
+    click.echo("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
+        host = f"{r.host_resident / GiB:.2f} GiB" + ("" if fits[r.plan] else " (over --ram)")
         click.echo(f"| {r.plan} | {r.cpu_bytes / 1e9:.3f} GB | {sum(r.gpu_bytes) / 1e9:.3f} GB | "
-                   f"{sum(r.gpu_resident) / GiB:.2f} GiB | {r.tok_s:.2f} |")
+                   f"{sum(r.gpu_resident) / GiB:.2f} GiB | {host} | {r.tok_s:.2f} | {r.prompt_tok_s:.0f} |")
     for r in rows:
         if r.note:
             click.echo(f"{r.plan}: {r.note}")
+    click.echo("Predicted, not measured: decode from the bytes each device reads, prompts from their multiply-adds "
+               "(placement.cost).")
 
 
 if __name__ == "__main__":

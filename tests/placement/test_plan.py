@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from placement.budget import GiB, HARDWARE
-from placement.cost import GPU_EFFICIENCY, Kernels, Parts, cpu_only, layers_on_gpu, neurons_placed
+from placement.cost import (CPU_PROMPT, GPU_EFFICIENCY, Kernels, Parts, cpu_only, layers_on_gpu, neurons_placed,
+                            prompt_seconds)
 from placement.synthetic import firing
 from ref.common.config import shape_config
 from ref.common.formats import FORMATS
@@ -75,6 +76,36 @@ def test_gpu_plans_keep_to_the_budget_and_gain_with_it():
     assert len(two.gpu_bytes) == 2 and all(b <= GiB // 2 for b in two.gpu_resident)
 
 
+def test_prompts_and_memory_follow_where_the_weights_are():
+    """A prompt token: 2 FLOPs a weight at each side's rate (CPU only: the CPU's; with a card: faster, and all on it
+    once everything fits). The host holds what the card does not: every weight, predictor and position on the CPU
+    alone; the weights a card holds, and its layers' keys and values, leave the host."""
+    cfg = shape_config("tinyllama-1.1b")
+    fmt, hw = FORMATS["q4_0"], HARDWARE["rtx4090"]
+    p = Parts.of(cfg, fmt, predictor_hidden=256)
+    flops = 2 * p.weights * cfg.d_model / fmt.row_bytes(cfg.d_model)
+    assert flops == pytest.approx(2 * (cfg.n_params - cfg.vocab_size * cfg.d_model), rel=2e-3)  # embeddings: looked up
+    dense = cpu_only(p, fmt, 30e9, None, FLAT, ctx=2048)
+    assert prompt_seconds(dense, p, fmt, hw) == pytest.approx(flops / (hw.cpu_flops * CPU_PROMPT["q4_0"]))
+    kv = 22 * 2048 * p.kv_position
+    assert dense.host_resident == p.weights + kv and p.kv_position == 2 * 4 * 64 * 2  # f16 keys and values
+    sparse = cpu_only(p, fmt, 30e9, np.full(22, 500.0), FLAT, ctx=2048)
+    assert sparse.host_resident == dense.host_resident + 22 * p.predictor
+    probs = np.stack([firing(cfg.d_ffn, 0.9)] * cfg.n_layers)
+    last = prompt_seconds(dense, p, fmt, hw)
+    for gib in (0.3, 4):
+        layers = layers_on_gpu(p, fmt, hw, 30e9, 2048, int(gib * GiB), FLAT)
+        ours = neurons_placed(p, fmt, hw, 30e9, 2048, [int(gib * GiB)], probs, [256 * (cfg.d_model + cfg.d_ffn)] * 22,
+                              kernels=FLAT)
+        n = int(layers.plan.split("-ngl ")[1].rstrip(")"))
+        assert 0 < layers.gpu_weights < p.weights and layers.host_resident == pytest.approx(
+            p.weights - layers.gpu_weights + (22 - n) * 2048 * p.kv_position) if gib < 1 else layers.host_resident == 0
+        for r in (layers, ours):
+            assert prompt_seconds(r, p, fmt, hw) < last and r.host_resident < sparse.host_resident
+    assert ours.gpu_weights == p.weights and ours.host_resident == 0
+    assert prompt_seconds(ours, p, fmt, hw) == pytest.approx(flops / (hw.gpu_flops * 0.5))
+
+
 def plan(*args):
     return subprocess.run([sys.executable, "-m", "placement.plan", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
@@ -95,6 +126,7 @@ def test_a_70b_plan_on_four_gpus_in_seconds():
     (["tiny", "--vram", "99"], "--vram 99 GiB: the rtx4090 has 24 GiB"),
     (["tiny", "--sparsity", "1.5"], "--sparsity must be in [0, 1), got 1.5"),
     (["tiny", "--hardware", "rtx9090"], "--hardware: unknown profile 'rtx9090'"),
+    (["tiny", "--ram", "0"], "--ram must be a positive number of GiB, got 0"),
 ])
 def test_bad_requests_are_one_line(args, message):
     r = plan(*args)
@@ -118,3 +150,7 @@ def test_a_profiled_folder_plans_on_its_own_firing(tmp_path):
     assert out["firing"].startswith("profiled firing")
     dense, sparse = out["plans"]
     assert dense["plan"] == "CPU only, dense" and sparse["cpu_bytes"] < dense["cpu_bytes"]
+    assert dense["host_resident_bytes"] == out["weights_bytes"] + out["kv_bytes"] and dense["fits_ram"]
+    assert dense["prompt_tok_s"] > 0 and dense["prompt_tok_s"] == sparse["prompt_tok_s"]  # prompts run dense
+    r = plan(str(d), "--hardware", "cpu-only", "--type", "f32", "--ram", "1e-6")
+    assert r.returncode == 0 and r.stdout.count("(over --ram)") == 2, r.stdout
