@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 from fast.quant import decoded, dot4x4, n_rows, store
 from fast.quant.floats import HEADS, axpy_tile, scores_tile
 from fast.quant.target import FLOAT_LANES as LANES
-from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, prefetch, rope
+from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, prefetch_row, rope
 from fast.cpu.matmul import matmul
 
 
@@ -134,13 +134,6 @@ def attend(acc, ml, q, k, v, s0, s1):
                     acc[g, e] += p0 * vb[j, e]
 
 
-@njit(inline="always")
-def hint_rows(rows, first, n):
-    """Hint rows first..first + n - 1 of a C-contiguous [S, m] array into L2 (none where n <= 0)."""
-    for off in range(0, max(n, 0) * rows.shape[1] * rows.itemsize, 64):
-        prefetch(rows, first * rows.shape[1], off)
-
-
 @njit(fastmath=FASTMATH, inline="always")
 def scores_of(scores, qs, qt, kb, nb, k, v, ahead, s1):
     """scores[g, j] = qs[g] . kb[j] for j < nb: heads in eights against eight rows at a time (scores_tile: the heads
@@ -155,8 +148,9 @@ def scores_of(scores, qs, qt, kb, nb, k, v, ahead, s1):
     G4 = G8 + (G - G8) // 4 * 4 if E % LANES == 0 else G8
     n8, n4 = nb - nb % HEADS, nb - nb % 4
     for j in range(0, n8, HEADS):
-        hint_rows(k, ahead + j, min(HEADS, s1 - ahead - j))
-        hint_rows(v, ahead + j, min(HEADS, s1 - ahead - j))
+        rows = max(min(HEADS, s1 - ahead - j), 0)  # the rows to hint, each a run of bytes of its own format
+        prefetch_row(k, ahead + j, k.shape[1], rows * k.shape[1] * k.itemsize)
+        prefetch_row(v, ahead + j, v.shape[1], rows * v.shape[1] * v.itemsize)
         for g in range(0, G8, HEADS):
             scores_tile(scores, qt, kb, j, g)
     for j in range(0, n4, 4):
