@@ -66,9 +66,14 @@ class Parts:
         return self.attention - self.depth * self.kv_position
 
     @property
+    def dense_token(self) -> int:
+        """Bytes a dense decode token reads: every layer's weights, keys and values at the depth, the output layer."""
+        return self.cfg.n_layers * (self.attention + self.cfg.d_ffn * self.neuron) + self.output
+
+    @property
     def weights(self) -> int:
         """Every layer's weights and the output layer's: what a dense prompt token multiplies."""
-        return self.cfg.n_layers * (self.attention_weights + self.cfg.d_ffn * self.neuron) + self.output
+        return self.dense_token - self.cfg.n_layers * self.depth * self.kv_position
 
     @staticmethod
     def of(cfg: ModelConfig, fmt: Format, depth: int = 0, kv: Format = FORMATS["f16"],
@@ -148,9 +153,9 @@ def cpu_only(p: Parts, fmt: Format, bandwidth: float, active: np.ndarray | None,
              kernels: Kernels = CPU_KERNELS, ctx: int = 0) -> Prediction:
     """Every part on the CPU; `active` the expected neurons a token computes per layer [L] (None: dense, every
     neuron, no predictor); the host holds every weight and `ctx` positions of keys and values."""
-    L, F = p.cfg.n_layers, p.cfg.d_ffn
+    L = p.cfg.n_layers
     if active is None:
-        dense, sparse, name = L * (p.attention + F * p.neuron) + p.output, 0.0, "CPU only, dense"
+        dense, sparse, name = p.dense_token, 0.0, "CPU only, dense"
     else:
         dense, sparse, name = L * (p.attention + p.predictor) + p.output, float(np.sum(active)) * p.neuron, "CPU only, sparse"
     t = cpu_seconds(dense, sparse, fmt, bandwidth, kernels) + kernels.fixed(L)

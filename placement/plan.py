@@ -90,7 +90,6 @@ def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_band
         rows.append(neurons_placed(p, fmt, hw, bandwidth, ctx_size, [budget] * gpus, probs,
                                    [R * (cfg.d_model + cfg.d_ffn)] * cfg.n_layers))
     rows = [dataclasses.replace(r, prompt_seconds=prompt_seconds(r, p, fmt, hw)) for r in rows]
-    weights = cfg.n_layers * (p.attention + cfg.d_ffn * p.neuron) + p.output
     kv = cfg.n_layers * ctx_size * p.kv_position
     fits = {r.plan: ram is None or r.host_resident <= ram * GiB for r in rows}
     if as_json:
@@ -103,7 +102,7 @@ def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_band
                                     "fits_ram": fits[r.plan], "note": r.note}
                                    for r in rows]}))
         return
-    click.echo(f"{model}: {cfg.n_params / 1e9:.2f} B parameters, {fmt.name} {weights / GiB:.2f} GiB a token reads "
+    click.echo(f"{model}: {cfg.n_params / 1e9:.2f} B parameters, {fmt.name} {p.dense_token / GiB:.2f} GiB a token reads "
                f"dense at depth {depth}; {source}; predictors of {R} hidden")
     card = (f"{gpus} x {hw.vram_bytes / GiB:g} GiB at {hw.gpu_bandwidth / 1e9:g} GB/s ({GPU_EFFICIENCY:.0%} of it "
             f"streamed), {hw.gpu_flops / 1e12:g} TFLOP/s, PCIe {hw.pcie_bandwidth / 1e9:g} GB/s; " if hw.vram_bytes

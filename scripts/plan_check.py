@@ -78,7 +78,7 @@ def main(formats, sparsity, threads, tokens, runs, calibrate):
             p = parts(shape, layers, fmt)
             L, B = p.cfg.n_layers, b["read_bandwidth_gbs"] * 1e9
             fixed = fixed_kernels.fixed(L)
-            dense_bytes = L * (p.attention + p.cfg.d_ffn * p.neuron) + p.output
+            dense_bytes = p.dense_token
             dense[fmt] = dense_bytes / (B * (1 / b["dense"]["tok_s"] - fixed))
             rows_bytes = L * (p.attention + p.predictor) + p.output  # a sparse token's whole rows
             ffn = L * firing(p.cfg.d_ffn, sparsity).sum() * p.neuron
