@@ -1,8 +1,8 @@
 """`python -m placement.plan MODEL_OR_SHAPE --hardware NAME`: what a machine will give before it is bought or the
 model downloaded. For the CPU alone (dense and sparse), llama.cpp's whole layers on the GPU and PowerInfer's neurons
 placed by the ILP: the bytes a decode token reads on each device, the predicted decode and prompt tok/s
-(placement.cost), and what the GPU and the host hold (weights, predictors, keys and values for -c). A prediction from a cost model, not a measurement: scripts/plan_check.py compares it with
-scripts/bench.py on this machine."""
+(placement.cost), and what the GPU and the host hold (weights, predictors, keys and values for -c). A prediction
+from a cost model, not a measurement: scripts/plan_check.py compares it with scripts/bench.py on this machine."""
 
 import dataclasses
 import json

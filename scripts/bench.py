@@ -20,7 +20,7 @@ from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode
                         dense_twin, overhead_per_token, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, synthetic_predictors, thinned_twin)
 from ref.common.batch import KV_FORMATS
-from ref.common.cli import FORMAT_CHOICE, cache_types, user_errors
+from ref.common.cli import FORMAT_CHOICE, cache_types, positive_list, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.predictor import predictor_size
 from ref.common.formats import FORMATS
@@ -69,16 +69,6 @@ def main(shape, sparsity, activation_sparsity, layers, type_, predictor_type, th
             with_peer, json_file, activation_sparsity, depth, cache_types(cache_type_k, cache_type_v))
 
 
-def parse_sequences(text: str) -> list[int]:
-    try:
-        bs = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        bs = [0]
-    if any(b < 1 for b in bs):
-        raise click.UsageError(f"--sequences must be positive integers, comma-separated, got {text!r}")
-    return bs
-
-
 def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
         json_file, activation_sparsity=None, depth=0, kv=("f16", "f16")):
     if not 0 <= sparsity < 1:
@@ -87,7 +77,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         raise click.UsageError("--activation-sparsity must be in (0, 1)")
     if runs < 1 or tokens < 1:
         raise click.UsageError("--runs and --tokens must be >= 1")
-    batches = parse_sequences(sequences)
+    batches = positive_list(sequences, "--sequences", empty=True)
     batches = sorted({1, *batches}) if batches else []  # B = 1 timed the same way: the scaling's denominator
     cfg = shape_config(shape, layers, context=max(2048, depth + tokens, pp))
     if with_peer and cfg.family != "llama":

@@ -19,7 +19,7 @@ from fast import cpu
 from fast.bench import ReadProbe
 from fast.engine import rope_tables
 from ref.common.batch import kv_format
-from ref.common.cli import user_errors
+from ref.common.cli import positive_list, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.quant import blocks, quantize
 
@@ -39,13 +39,7 @@ F32 = np.float32
 @user_errors
 def main(shape, depths, layers, runs, probe_gib, threads, kv_types):
     """Decode attention GB/s and roofline fraction per depth."""
-    text = depths
-    try:
-        depths = [int(d) for d in text.split(",") if d.strip()]
-    except ValueError:
-        depths = [0]
-    if not depths or min(depths) < 1:
-        raise click.UsageError(f"--depths must be positive integers, comma-separated, got {text!r}")
+    depths = positive_list(depths, "--depths")
     if threads:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     cfg = shape_config(shape, layers, context=max(depths) + 1)

@@ -17,7 +17,7 @@ from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
 from placement.synthetic import synthetic_counts
-from ref.common.cli import FORMAT_CHOICE, user_errors
+from ref.common.cli import FORMAT_CHOICE, positive_list, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -67,17 +67,6 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32", input_s
     return res
 
 
-def shares(text: str) -> list[float]:
-    """--budgets as positive numbers (a share above 1: more VRAM than the model's bytes, as a micro shape needs)."""
-    try:
-        out = [float(v) for v in text.split(",")]
-    except ValueError:
-        out = []
-    if not out or not all(v > 0 and np.isfinite(v) for v in out):
-        raise UserError(f"--budgets must be positive numbers, comma-separated, got {text!r}")
-    return out
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="llama-7b", show_default=True)
 @click.option("--budgets", default="0.1,0.25,0.5,1.0", show_default=True, help="VRAM budgets as shares of the model's bytes.")
@@ -93,7 +82,7 @@ def shares(text: str) -> list[float]:
 @user_errors
 def main(shape, budgets, sparsity, activation_sparsity, tokens, runs, type_, threads, json_file):
     """Kernel GB/s vs copy, then hybrid vs layer policy decode tok/s per VRAM budget."""
-    shares(budgets)
+    shares = positive_list(budgets, "--budgets", float)  # above 1: more VRAM than the model's bytes (a micro shape)
     require_gpu("scripts/bench_gpu.py")
     cfg = shape_config(shape)
     kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity, type_, activation_sparsity)
@@ -103,7 +92,7 @@ def main(shape, budgets, sparsity, activation_sparsity, tokens, runs, type_, thr
     counts = synthetic_counts(cfg.n_layers, cfg.d_ffn, seed=0)
     hw = HARDWARE["h200"]
     rows = []
-    for share in shares(budgets):
+    for share in shares:
         budget = int(share * model_bytes)
         base.selector = Selector(cfg.d_ffn)
         layers = to_hybrid(base, *whole_layers(cfg, base.format, cfg.max_seq_len, budget))

@@ -297,6 +297,18 @@ def output_file(path: Path, force: bool, flag: str = "-o/--output") -> Path:
     return path
 
 
+def positive_list(text: str, flag: str, kind=int, empty: bool = False) -> list:
+    """A flag's comma-separated positive numbers of `kind` (blank items skipped; none at all refused unless `empty`)."""
+    try:
+        out = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        out = [0]
+    if (not out and not empty) or not all(v > 0 and math.isfinite(v) for v in out):
+        noun = "integers" if kind is int else "numbers"
+        raise click.UsageError(f"{flag} must be positive {noun}, comma-separated, got {text!r}")
+    return out
+
+
 def finite(value: float | None, flag: str) -> float | None:
     if value is not None and not math.isfinite(value):
         raise UserError(f"{flag} must be a finite number, got {value}")
