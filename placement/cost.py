@@ -28,25 +28,29 @@ GPU_EFFICIENCY = 0.8
 
 @dataclass(frozen=True)
 class Kernels:
-    """What this project's CPU kernels reach of the read probe's bandwidth (scripts/plan_check.py --calibrate),
-    per weight format: `dense` rows read whole (attention, predictors, a dense FFN, the output layer) and a `sparse`
-    FFN's scattered neurons; a decode step's fixed time, `token_seconds` plus `layer_seconds` a layer."""
+    """What this project's CPU kernels reach (scripts/plan_check.py --calibrate), per weight format: of the read
+    probe's bandwidth, `dense` rows read whole (attention, predictors, a dense FFN, the output layer) and a `sparse`
+    FFN's scattered neurons; of the CPU's FLOP/s (Hardware.cpu_flops), `compute`, the multiply-adds of a decode
+    step's rows at 2 FLOPs a weight, where memory does not bound it; a decode step's fixed time, `token_seconds` plus
+    `layer_seconds` a layer."""
 
     dense: dict = field(default_factory=dict)
     sparse: dict = field(default_factory=dict)
     token_seconds: float = 0.0
     layer_seconds: float = 0.0
+    compute: dict = field(default_factory=dict)
 
     def fixed(self, L: int) -> float:
         return self.token_seconds + L * self.layer_seconds
 
 
-# Measured on the CI machine (2-core AMD EPYC with AVX-512 VNNI, 2 threads) on LLaMA-13B's shape cut to 4 layers,
-# a shape the checks do not predict: python scripts/plan_check.py --calibrate --tokens 16 --runs 5. Formats it did
-# not measure take their nearest one's (f32, bf16: f16's).
-CPU_KERNELS = Kernels(dense={"f32": 0.83, "f16": 0.83, "bf16": 0.83, "q8_0": 0.81, "q4_0": 0.86},
-                      sparse={"f32": 0.39, "f16": 0.39, "bf16": 0.39, "q8_0": 0.53, "q4_0": 0.91},
-                      token_seconds=2.5e-5, layer_seconds=1.8e-5)
+# Measured on the CI machine (2-core AMD EPYC with AVX-512 VNNI, 2 threads) on shapes the checks do not predict
+# (scripts/plan_check.py's CALIBRATION), two passes fitted together: python scripts/plan_check.py --calibrate
+# --passes 2 --tokens 16 --runs 5. Formats it did not measure take their nearest one's (f32, bf16: f16's).
+CPU_KERNELS = Kernels(dense={"f32": 0.86, "f16": 0.86, "bf16": 0.86, "q8_0": 0.81, "q4_0": 0.71},
+                      sparse={"f32": 0.56, "f16": 0.56, "bf16": 0.56, "q8_0": 0.49, "q4_0": 0.26},
+                      token_seconds=3.9e-5, layer_seconds=2.4e-5,
+                      compute={"f32": 0.16, "f16": 0.16, "bf16": 0.16, "q8_0": 0.35, "q4_0": 0.45})
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def prompt_seconds(pred: Prediction, p: Parts, fmt: Format, hw: Hardware) -> flo
     """Seconds per prompt token: 2 multiply-add FLOPs per weight, each side's weights at its rate; where a card is
     used, the host's weights either computed by the CPU or copied over PCIe once per batch and computed on the
     card, whichever is faster (llama.cpp offloads a large batch's host matrices)."""
-    per_byte = 2 * p.cfg.d_model / fmt.row_bytes(p.cfg.d_model)  # FLOPs per byte of weights
+    per_byte = flops_per_byte(fmt)
     gpu_rate = hw.gpu_flops * GPU_PROMPT_EFFICIENCY
     host = p.weights - pred.gpu_weights
     t = host * per_byte / (hw.cpu_flops * CPU_PROMPT[fmt.name])
@@ -139,9 +143,21 @@ def prompt_seconds(pred: Prediction, p: Parts, fmt: Format, hw: Hardware) -> flo
     return t
 
 
-def cpu_seconds(dense: float, sparse: float, fmt: Format, bandwidth: float, kernels: Kernels) -> float:
-    """Seconds the CPU takes to read `dense` bytes of whole rows and `sparse` bytes of scattered neurons."""
-    return dense / (bandwidth * kernels.dense[fmt.name]) + sparse / (bandwidth * kernels.sparse[fmt.name])
+def flops_per_byte(fmt: Format) -> float:
+    """A matrix-vector product's FLOPs per byte of weights in fmt: a multiply and an add per weight."""
+    return 2 * fmt.block / fmt.block_bytes
+
+
+def cpu_seconds(dense: float, sparse: float, fmt: Format, bandwidth: float, kernels: Kernels,
+                flops: float = 0.0) -> float:
+    """Seconds the CPU takes for `dense` bytes of whole rows and `sparse` bytes of scattered neurons: their reads,
+    dense / (bandwidth e_dense) + sparse / (bandwidth e_sparse), or where `flops` is given and the arithmetic takes
+    longer, (dense + sparse) FLOPs per byte / (flops x compute) (a roofline: on two cores a quantized token at a
+    fast probe is bound by its multiply-adds, the down rows' axpy slowest of them)."""
+    t = dense / (bandwidth * kernels.dense[fmt.name]) + sparse / (bandwidth * kernels.sparse[fmt.name])
+    if flops and fmt.name in kernels.compute:
+        t = max(t, (dense + sparse) * flops_per_byte(fmt) / (flops * kernels.compute[fmt.name]))
+    return t
 
 
 def gpu_seconds(nbytes: float, hw: Hardware) -> float:
@@ -150,15 +166,16 @@ def gpu_seconds(nbytes: float, hw: Hardware) -> float:
 
 
 def cpu_only(p: Parts, fmt: Format, bandwidth: float, active: np.ndarray | None,
-             kernels: Kernels = CPU_KERNELS, ctx: int = 0) -> Prediction:
-    """Every part on the CPU; `active` the expected neurons a token computes per layer [L] (None: dense, every
-    neuron, no predictor); the host holds every weight and `ctx` positions of keys and values."""
+             kernels: Kernels = CPU_KERNELS, ctx: int = 0, flops: float = 0.0) -> Prediction:
+    """Every part on the CPU (`bandwidth` bytes/s, `flops` FLOP/s: cpu_seconds); `active` the expected neurons a
+    token computes per layer [L] (None: dense, every neuron, no predictor); the host holds every weight and `ctx`
+    positions of keys and values."""
     L = p.cfg.n_layers
     if active is None:
         dense, sparse, name = p.dense_token, 0.0, "CPU only, dense"
     else:
         dense, sparse, name = L * (p.attention + p.predictor) + p.output, float(np.sum(active)) * p.neuron, "CPU only, sparse"
-    t = cpu_seconds(dense, sparse, fmt, bandwidth, kernels) + kernels.fixed(L)
+    t = cpu_seconds(dense, sparse, fmt, bandwidth, kernels, flops) + kernels.fixed(L)
     host = p.weights + (0 if active is None else L * p.predictor) + L * ctx * p.kv_position
     return Prediction(name, dense + sparse, [], t, host_resident=host)
 
@@ -169,7 +186,7 @@ def hop(hw: Hardware, D: int) -> float:
 
 
 def layers_on_gpu(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: int, budget: int,
-                  kernels: Kernels = CPU_KERNELS) -> Prediction:
+                  kernels: Kernels = CPU_KERNELS, flops: float = 0.0) -> Prediction:
     """llama.cpp's -ngl: as many whole layers (with their KV cache for ctx) as fit the budget, dense; the rest on
     the CPU; the output layer on the GPU only when every layer is."""
     cfg = p.cfg
@@ -180,7 +197,7 @@ def layers_on_gpu(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: in
     layer = p.attention + F * p.neuron
     gpu = n * layer + (p.output if out_on_gpu else 0)
     cpu = (L - n) * layer + (0 if out_on_gpu else p.output)
-    t = gpu_seconds(gpu, hw) + cpu_seconds(cpu, 0, fmt, bandwidth, kernels)
+    t = gpu_seconds(gpu, hw) + cpu_seconds(cpu, 0, fmt, bandwidth, kernels, flops)
     t += kernels.fixed(L) + (2 * hop(hw, cfg.d_model) if 0 < n < L or n and not out_on_gpu else 0)
     parts = dict(dense_parts(cfg, fmt, ctx, []))  # what whole_layers counted: each layer with its KV cache
     held = n * (parts["attention.0"] + parts["ffn_norms"] // L + F * p.neuron) + (parts["output"] if out_on_gpu else 0)
@@ -192,7 +209,7 @@ def layers_on_gpu(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: in
 
 def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: int, budgets: list[int],
                    firing: np.ndarray, predictor_params: list[int], group: int = 64,
-                   kernels: Kernels = CPU_KERNELS) -> Prediction:
+                   kernels: Kernels = CPU_KERNELS, flops: float = 0.0) -> Prediction:
     """PowerInfer: the dense parts that fit whole on the first GPU in PowerInfer's order, then the ILP's neurons on
     every GPU (`solve`, one FFN budget each; the other GPUs lose only the scratch headroom), the rest on the CPU;
     firing [L, F] each neuron's probability. A layer's sides run at once: its time is the slowest side's, plus a hop
@@ -221,7 +238,7 @@ def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: i
             sides[d] += float(firing[l][ids].sum()) * p.neuron
         sparse_cpu = float(firing[l][~taken].sum()) * p.neuron
         cpu_dense, cpu_sparse = cpu_dense + dense_cpu, cpu_sparse + sparse_cpu
-        t_cpu = cpu_seconds(dense_cpu, sparse_cpu, fmt, bandwidth, kernels)
+        t_cpu = cpu_seconds(dense_cpu, sparse_cpu, fmt, bandwidth, kernels, flops)
         t_gpu = [gpu_seconds(s, hw) for s in sides]
         busy = [d for d in range(k) if sides[d] > 0]
         t += max([t_cpu, *t_gpu]) + (len(busy) * hop(hw, D) if busy and t_cpu > 0 else 0)
@@ -231,7 +248,7 @@ def neurons_placed(p: Parts, fmt: Format, hw: Hardware, bandwidth: float, ctx: i
         t += gpu_seconds(p.output, hw)
     else:
         cpu_dense += p.output
-        t += cpu_seconds(p.output, 0, fmt, bandwidth, kernels)
+        t += cpu_seconds(p.output, 0, fmt, bandwidth, kernels, flops)
     t += kernels.fixed(L)
     resident = [budgets[0] - plan.ffn_budget_bytes + sum(len(n) for n in placed.device_neurons[0]) * p.neuron]
     resident += [sum(len(n) for n in placed.device_neurons[d]) * p.neuron for d in range(1, k)]

@@ -13,7 +13,8 @@ import click
 import numpy as np
 
 from placement.budget import GiB, HARDWARE, load_hardware
-from placement.cost import CPU_KERNELS, GPU_EFFICIENCY, Parts, cpu_only, layers_on_gpu, neurons_placed, prompt_seconds
+from placement.cost import (CPU_KERNELS, GPU_EFFICIENCY, Parts, cpu_only, flops_per_byte, layers_on_gpu, neurons_placed,
+                            prompt_seconds)
 from placement.synthetic import firing
 from ref.common.artifacts import load_activations
 from ref.common.cli import FORMAT_CHOICE, user_errors
@@ -84,11 +85,13 @@ def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_band
     probs, source = firing_of(cfg, folder, sparsity)
     R = predictor_size(cfg)
     p = Parts.of(cfg, fmt, depth, predictor_hidden=R)
-    rows = [cpu_only(p, fmt, bandwidth, None, ctx=ctx_size), cpu_only(p, fmt, bandwidth, probs.sum(axis=1), ctx=ctx_size)]
+    cpu = dict(ctx=ctx_size, flops=hw.cpu_flops)
+    rows = [cpu_only(p, fmt, bandwidth, None, **cpu), cpu_only(p, fmt, bandwidth, probs.sum(axis=1), **cpu)]
     if hw.vram_bytes:
-        rows.append(layers_on_gpu(p, fmt, hw, bandwidth, ctx_size, gpus * budget))  # llama.cpp splits the layers
+        # llama.cpp splits the layers over the GPUs
+        rows.append(layers_on_gpu(p, fmt, hw, bandwidth, ctx_size, gpus * budget, flops=hw.cpu_flops))
         rows.append(neurons_placed(p, fmt, hw, bandwidth, ctx_size, [budget] * gpus, probs,
-                                   [R * (cfg.d_model + cfg.d_ffn)] * cfg.n_layers))
+                                   [R * (cfg.d_model + cfg.d_ffn)] * cfg.n_layers, flops=hw.cpu_flops))
     rows = [dataclasses.replace(r, prompt_seconds=prompt_seconds(r, p, fmt, hw)) for r in rows]
     kv = cfg.n_layers * ctx_size * p.kv_position
     fits = {r.plan: ram is None or r.host_resident <= ram * GiB for r in rows}
@@ -107,8 +110,10 @@ def main(model, hardware, vram, gpus, type_, sparsity, ctx_size, depth, cpu_band
     card = (f"{gpus} x {hw.vram_bytes / GiB:g} GiB at {hw.gpu_bandwidth / 1e9:g} GB/s ({GPU_EFFICIENCY:.0%} of it "
             f"streamed), {hw.gpu_flops / 1e12:g} TFLOP/s, PCIe {hw.pcie_bandwidth / 1e9:g} GB/s; " if hw.vram_bytes
             else "no GPU; ")
+    arithmetic = hw.cpu_flops * CPU_KERNELS.compute[fmt.name] / flops_per_byte(fmt)  # bytes/s of rows
     click.echo(f"{hw.name}: {card}CPU {bandwidth / 1e9:g} GB/s (this project's kernels: {CPU_KERNELS.dense[fmt.name]:.0%}"
-               f" dense, {CPU_KERNELS.sparse[fmt.name]:.0%} sparse), {hw.cpu_flops / 1e12:g} TFLOP/s")
+               f" dense, {CPU_KERNELS.sparse[fmt.name]:.0%} sparse), {hw.cpu_flops / 1e12:g} TFLOP/s (its decode "
+               f"arithmetic: {arithmetic / 1e9:.0f} GB/s of {fmt.name} rows)")
     click.echo(f"memory: weights {p.weights / GiB:.2f} GiB, predictors {cfg.n_layers * p.predictor / GiB:.2f} GiB, "
                f"keys and values of -c {ctx_size} {kv / GiB:.2f} GiB (f16)")
     click.echo("| plan | CPU reads / token | GPU reads / token | GPU holds | host holds | decode tok/s | prompt tok/s |")

@@ -1,12 +1,14 @@
 """The planner's CPU-only decode predictions (placement.cost.cpu_only) against scripts/bench.py on this machine:
 shapes x formats, dense and sparse, each case a bench run whose own read probe gives the bandwidth the prediction
-uses. Prints predicted, measured and the error per case, and how many are within 15 %.
+uses (its FLOP/s: the cpu-only profile's, this machine's). Prints predicted, measured and the error per case, and how
+many are within 15 %.
 
-With --calibrate it measures the CPU kernels' constants (placement.cost.Kernels) instead, on a shape the check does
-not predict (LLaMA-13B's cut to 4 layers), and prints them.
+With --calibrate it measures the CPU kernels' constants (placement.cost.Kernels) instead, on shapes the check does
+not predict (CALIBRATION), and prints them; --passes N runs every case N times, all fitted together (the machine's
+bandwidth and arithmetic drift between minutes).
 
     python scripts/plan_check.py
-    python scripts/plan_check.py --calibrate
+    python scripts/plan_check.py --calibrate --passes 2 --tokens 16 --runs 5
 """
 
 import json
@@ -18,7 +20,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only
+from placement.budget import HARDWARE
+from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, flops_per_byte
 from placement.synthetic import firing
 from ref.common.config import shape_config
 from ref.common.formats import FORMATS
@@ -27,7 +30,11 @@ from ref.predictor import predictor_size
 ROOT = Path(__file__).resolve().parent.parent
 
 CASES = [("tinyllama-1.1b", None), ("opt-1.3b", None), ("llama-7b", 8)]  # (shape, layers)
-CALIBRATION = ("llama-13b", 4)
+# Shapes the check does not predict, and the tokens each calibrates: LLaMA-13B's 5,120-wide rows and Llama-3.2-1B's
+# 2,048-wide ones; Falcon-7B's sparse token (one kv head: its FFN is a fifth of its bytes, where LLaMA's is a tenth).
+CALIBRATION = [("llama-13b", 4, ("dense", "sparse")), ("falcon-7b", 16, ("sparse",)),
+               ("llama-3.2-1b", 8, ("dense", "sparse"))]
+FLOPS = HARDWARE["cpu-only"].cpu_flops  # this machine's
 
 
 def bench(shape: str, layers: int | None, fmt: str, sparsity: float, threads: int, tokens: int, runs: int) -> dict:
@@ -43,6 +50,24 @@ def bench(shape: str, layers: int | None, fmt: str, sparsity: float, threads: in
         return json.loads(out.read_text())
 
 
+def fit(runs: list, fmt) -> tuple[float, float, float]:
+    """(dense, sparse, compute) of Kernels from runs (whole-row bytes, neuron bytes, bandwidth, seconds less the
+    fixed part), each predicted as cpu_seconds does: for each arithmetic rate C on a grid, the two efficiencies by
+    least squares in relative error over the runs slower than C's roofline (the memory-bound ones), the C whose
+    predictions err least in log."""
+    best = None
+    for C in [np.inf, *np.geomspace(10e9, 200e9, 120)]:
+        memory = [r for r in runs if r[3] > 1.02 * (r[0] + r[1]) / C] or runs
+        A = np.array([[d / B / t, n / B / t] for d, n, B, t in memory])
+        inverse = np.linalg.lstsq(A, np.ones(len(memory)), rcond=None)[0]
+        if not (inverse > 0).all():
+            continue
+        err = [np.log(max(d / B * inverse[0] + n / B * inverse[1], (d + n) / C) / t) for d, n, B, t in runs]
+        if best is None or np.sum(np.square(err)) < best[0]:
+            best = (np.sum(np.square(err)), 1 / inverse[0], 1 / inverse[1], C * flops_per_byte(fmt) / FLOPS)
+    return tuple(float(x) for x in best[1:])
+
+
 def parts(shape: str, layers: int | None, fmt: str) -> Parts:
     cfg = shape_config(shape, layers)
     return Parts.of(cfg, FORMATS[fmt], predictor_hidden=predictor_size(cfg))
@@ -51,8 +76,8 @@ def parts(shape: str, layers: int | None, fmt: str) -> Parts:
 def predict(p: Parts, fmt: str, sparsity: float, bandwidth: float, kernels: Kernels = CPU_KERNELS) -> tuple:
     """(dense, sparse) predictions at `bandwidth` bytes/s."""
     active = np.full(p.cfg.n_layers, firing(p.cfg.d_ffn, sparsity).sum())
-    return (cpu_only(p, FORMATS[fmt], bandwidth, None, kernels),
-            cpu_only(p, FORMATS[fmt], bandwidth, active, kernels))
+    return (cpu_only(p, FORMATS[fmt], bandwidth, None, kernels, flops=FLOPS),
+            cpu_only(p, FORMATS[fmt], bandwidth, active, kernels, flops=FLOPS))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,7 +87,9 @@ def predict(p: Parts, fmt: str, sparsity: float, bandwidth: float, kernels: Kern
 @click.option("--tokens", type=int, default=8, show_default=True)
 @click.option("--runs", type=int, default=3, show_default=True)
 @click.option("--calibrate", is_flag=True, help="Measure placement.cost.CPU_KERNELS' constants instead.")
-def main(formats, sparsity, threads, tokens, runs, calibrate):
+@click.option("--passes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --calibrate: times to run every calibration case, all fitted together.")
+def main(formats, sparsity, threads, tokens, runs, calibrate, passes):
     """Predicted vs measured CPU-only decode (or, with --calibrate, the constants the prediction uses)."""
     formats = formats.split(",")
     if calibrate:
@@ -71,25 +98,26 @@ def main(formats, sparsity, threads, tokens, runs, calibrate):
         small, large = (overhead_per_token(shape_config("tinyllama-1.1b", n), threads) for n in (2, 32))
         per_layer = (large - small) / 30
         fixed_kernels = Kernels(token_seconds=small - 2 * per_layer, layer_seconds=per_layer)
-        shape, layers = CALIBRATION
-        dense, sparse = {}, {}
-        for fmt in formats:
-            b = bench(shape, layers, fmt, sparsity, threads, tokens, runs)
-            p = parts(shape, layers, fmt)
-            L, B = p.cfg.n_layers, b["read_bandwidth_gbs"] * 1e9
-            fixed = fixed_kernels.fixed(L)
-            dense_bytes = p.dense_token
-            dense[fmt] = dense_bytes / (B * (1 / b["dense"]["tok_s"] - fixed))
-            rows_bytes = L * (p.attention + p.predictor) + p.output  # a sparse token's whole rows
-            ffn = L * firing(p.cfg.d_ffn, sparsity).sum() * p.neuron
-            sparse[fmt] = ffn / (B * (1 / b["sparse"]["tok_s"] - fixed - rows_bytes / (B * dense[fmt])))
-            click.echo(f"{fmt}: probe {B / 1e9:.1f} GB/s, dense {b['dense']['tok_s']:.2f} t/s, sparse "
-                       f"{b['sparse']['tok_s']:.2f} t/s; bytes ours / bench's: dense "
-                       f"{dense_bytes / b['dense']['bytes_per_token']:.3f}, sparse "
-                       f"{(rows_bytes + ffn) / b['sparse']['bytes_per_token']:.3f}")
-        click.echo(f"Kernels(dense={ {f: round(float(v), 2) for f, v in dense.items()} }, "
-                   f"sparse={ {f: round(float(v), 2) for f, v in sparse.items()} }, "
-                   f"token_seconds={fixed_kernels.token_seconds:.2e}, layer_seconds={per_layer:.2e})")
+        runs_ = {fmt: [] for fmt in formats}
+        for _, fmt in ((n, f) for n in range(passes) for f in formats):  # a pass of every format, then the next
+            for shape, layers, tokens_used in CALIBRATION:
+                b = bench(shape, layers, fmt, sparsity, threads, tokens, runs)
+                p = parts(shape, layers, fmt)
+                B, fixed = b["read_bandwidth_gbs"] * 1e9, fixed_kernels.fixed(p.cfg.n_layers)
+                whole = p.cfg.n_layers * (p.attention + p.predictor) + p.output  # a sparse token's whole rows
+                ffn = p.cfg.n_layers * firing(p.cfg.d_ffn, sparsity).sum() * p.neuron
+                for kind, dense_bytes, sparse_bytes in (("dense", p.dense_token, 0.0), ("sparse", whole, ffn)):
+                    if kind in tokens_used:
+                        runs_[fmt].append((dense_bytes, sparse_bytes, B, 1 / b[kind]["tok_s"] - fixed))
+                click.echo(f"{fmt} {shape} x{layers}: probe {B / 1e9:.1f} GB/s, dense {b['dense']['tok_s']:.2f} t/s, "
+                           f"sparse {b['sparse']['tok_s']:.2f} t/s; bytes ours / bench's: dense "
+                           f"{p.dense_token / b['dense']['bytes_per_token']:.3f}, sparse "
+                           f"{(whole + ffn) / b['sparse']['bytes_per_token']:.3f}")
+        kernels = {fmt: fit(runs_[fmt], FORMATS[fmt]) for fmt in formats}
+        click.echo(f"Kernels(dense={ {f: round(k[0], 2) for f, k in kernels.items()} }, "
+                   f"sparse={ {f: round(k[1], 2) for f, k in kernels.items()} }, "
+                   f"token_seconds={fixed_kernels.token_seconds:.2e}, layer_seconds={per_layer:.2e}, "
+                   f"compute={ {f: round(k[2], 2) for f, k in kernels.items()} })")
         return
     click.echo("| shape | type | probe GB/s | dense predicted / measured t/s | error | sparse predicted / measured t/s "
                "| error |")

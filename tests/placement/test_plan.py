@@ -1,6 +1,7 @@
 """The planner (placement.cost, python -m placement.plan): its bytes are the engine's, its times follow from them, its
 plans keep to the budgets; the command answers in one line when asked wrongly."""
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -50,6 +51,21 @@ def test_cpu_time_is_bytes_over_bandwidth_plus_the_fixed_step():
     assert s.seconds == pytest.approx((3 * (p.attention + p.predictor) + p.output) / 10e9
                                       + 300 * p.neuron / 5e9 + 1e-4 + 3e-5)
     assert Parts.of(cfg, FORMATS["f16"], depth=100).attention - Parts.of(cfg, FORMATS["f16"]).attention == 2 * 100 * 4 * 32 * 2
+
+
+def test_arithmetic_bounds_the_cpu_where_its_memory_is_fast():
+    """Given the CPU's FLOP/s, a step takes the longer of its reads and its multiply-adds (2 FLOPs a weight at the
+    kernels' compute share): the reads' time where the arithmetic is faster, the arithmetic's where the memory is."""
+    cfg, fmt = shape_config("tiny", 3), FORMATS["q4_0"]
+    p, K = Parts.of(cfg, fmt), dataclasses.replace(FLAT, compute={"q4_0": 0.5})
+    memory, flops = p.dense_token / 10e9, 2 * p.dense_token * 32 / 18  # q4_0: 32 weights in 18 bytes
+    arithmetic = flops / (0.5 * 2e10)
+    assert arithmetic > memory
+    assert cpu_only(p, fmt, 10e9, None, K).seconds - K.fixed(3) == pytest.approx(memory)  # no FLOP/s: the reads
+    assert cpu_only(p, fmt, 10e9, None, K, flops=2e10).seconds - K.fixed(3) == pytest.approx(arithmetic)
+    assert cpu_only(p, fmt, 10e9, None, K, flops=1e12).seconds - K.fixed(3) == pytest.approx(memory)
+    sparse = cpu_only(p, fmt, 1e15, np.full(3, 100.0), K, flops=2e10)
+    assert sparse.seconds - K.fixed(3) == pytest.approx(sparse.cpu_bytes * 32 / 18 * 2 / (0.5 * 2e10))
 
 
 def test_gpu_plans_keep_to_the_budget_and_gain_with_it():
