@@ -22,7 +22,7 @@ import click
 import numpy as np
 
 from placement.budget import HARDWARE
-from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, flops_per_byte
+from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, cpu_seconds, flops_per_byte
 from placement.synthetic import firing
 from ref.common.config import shape_config
 from ref.common.formats import FORMATS
@@ -63,10 +63,13 @@ def fit(runs: list, fmt) -> tuple[float, float, float]:
         inverse = np.linalg.lstsq(A, np.ones(len(memory)), rcond=None)[0]
         if not (inverse > 0).all():
             continue
-        err = [np.log(max(d / B * inverse[0] + n / B * inverse[1], (d + n) / C) / t) for d, n, B, t in runs]
+        k = Kernels(dense={fmt.name: 1 / inverse[0]}, sparse={fmt.name: 1 / inverse[1]},
+                    compute={fmt.name: C * flops_per_byte(fmt) / FLOPS})
+        err = [np.log(cpu_seconds(d, n, fmt, B, k, FLOPS) / t) for d, n, B, t in runs]
         if best is None or np.sum(np.square(err)) < best[0]:
-            best = (np.sum(np.square(err)), 1 / inverse[0], 1 / inverse[1], C * flops_per_byte(fmt) / FLOPS)
-    return tuple(float(x) for x in best[1:])
+            best = (np.sum(np.square(err)), k)
+    k = best[1]
+    return k.dense[fmt.name], k.sparse[fmt.name], k.compute[fmt.name]
 
 
 def parts(shape: str, layers: int | None, fmt: str) -> Parts:
