@@ -104,7 +104,7 @@ def main(formats, sparsity, threads, tokens, runs, calibrate, passes):
         per_layer = (large - small) / 30
         fixed_kernels = Kernels(token_seconds=small - 2 * per_layer, layer_seconds=per_layer)
         runs_ = {fmt: [] for fmt in formats}
-        for _, fmt in ((n, f) for n in range(passes) for f in formats):  # a pass of every format, then the next
+        for fmt in formats * passes:  # a pass of every format, then the next
             for shape, layers, tokens_used in CALIBRATION:
                 b = bench(shape, layers, fmt, sparsity, threads, tokens, runs)
                 p = parts(shape, layers, fmt)
