@@ -5,22 +5,28 @@ many are within 15 %; with --passes N, every case N times in turn and each case'
 between minutes: a single run of a case can stray by more than 15 % at the same probe).
 
 With --calibrate it measures the CPU kernels' constants (placement.cost.Kernels) instead, on shapes the check does
-not predict (CALIBRATION), and prints them; --passes N runs every case N times, all fitted together (the machine's
-bandwidth and arithmetic drift between minutes).
+not predict (CALIBRATION), and prints them: the sparse FFN's share of the probe on its block alone (neuron_share),
+then the dense share and the arithmetic fitted to whole tokens with it (fit); --passes N runs every case N times,
+all taken together (the machine's bandwidth and arithmetic drift between minutes).
 
     python scripts/plan_check.py --passes 3
     python scripts/plan_check.py --calibrate --passes 2 --tokens 16 --runs 5
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
 import numpy as np
 
+from fast import cpu
+from fast.bench import ReadProbe, SyntheticSelector, overhead_per_token, random_engine, synthetic_predictors
+from fast.engine import FFN_NORM, set_threads
 from placement.budget import HARDWARE
 from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, cpu_seconds, flops_per_byte
 from placement.synthetic import firing
@@ -36,6 +42,7 @@ CASES = [("tinyllama-1.1b", None), ("opt-1.3b", None), ("llama-7b", 8)]  # (shap
 CALIBRATION = [("llama-13b", 4, ("dense", "sparse")), ("falcon-7b", 16, ("sparse",)),
                ("llama-3.2-1b", 8, ("dense", "sparse"))]
 FLOPS = HARDWARE["cpu-only"].cpu_flops  # this machine's
+NEURON_PASS = 64 * 2**20  # bytes of neurons a pass of neuron_share reads: twice the L3, so that they come from memory
 
 
 def bench(shape: str, layers: int | None, fmt: str, sparsity: float, threads: int, tokens: int, runs: int) -> dict:
@@ -51,25 +58,61 @@ def bench(shape: str, layers: int | None, fmt: str, sparsity: float, threads: in
         return json.loads(out.read_text())
 
 
-def fit(runs: list, fmt) -> tuple[float, float, float]:
-    """(dense, sparse, compute) of Kernels from runs (whole-row bytes, neuron bytes, bandwidth, seconds less the
-    fixed part), each predicted as cpu_seconds does: for each arithmetic rate C on a grid, the two efficiencies by
-    least squares in relative error over the runs slower than C's roofline (the memory-bound ones), the C whose
-    predictions err least in log."""
+def neuron_share(shape: str, fmt: str, sparsity: float, threads: int, probe: ReadProbe, rounds: int = 5) -> float:
+    """The sparse FFN block's share of the read probe's bandwidth on a token's neurons (Kernels.sparse), measured
+    alone: each round a probe pass (which leaves none of them in the caches), the block of every layer of a random
+    engine in turn over a power-law set each (SyntheticSelector), a probe pass; bytes counted as the planner counts
+    them (whole bundles), time less the same calls' over empty sets (a call's fixed time, which Kernels.layer_seconds
+    holds); the median of the rounds. Alone, because in a whole token the neurons are a tenth to a fifth of its
+    bytes: a fit of whole tokens leaves their share a residual of a small part of the time."""
+    f, one = FORMATS[fmt], shape_config(shape, 1)
+    per_layer = firing(one.d_ffn, sparsity).sum() * one.ffn_matrices * f.row_bytes(one.d_model)
+    cfg = dataclasses.replace(shape_config(shape, int(np.ceil(NEURON_PASS / per_layer))), vocab_size=64)
+    e = random_engine(cfg, threads, fmt=f)
+    sel = SyntheticSelector(synthetic_predictors(cfg, 16), cfg, sparsity)
+    h, y = np.random.default_rng(0).standard_normal(cfg.d_model).astype(np.float32), np.empty(cfg.d_model, np.float32)
+    none = np.zeros(0, np.int32)
+
+    def block(empty: bool) -> tuple[float, float]:
+        """(bytes, seconds) of every layer's block in turn."""
+        n, t0 = 0.0, time.perf_counter()
+        for l, L in enumerate(e.layers):
+            active = none if empty else sel.pick(l, None)
+            cpu.ffn_block(y, e.acc, h, *e.norm_weights(L, FFN_NORM), L.bundle, L.bu, L.bd, active, len(active),
+                          e.kind, e.thr, e.eps)
+            n += len(active) * L.bundle[0].nbytes
+        return n, time.perf_counter() - t0
+
+    block(False)
+    shares = []
+    for _ in range(rounds):
+        fixed = min(block(True)[1] for _ in range(3))
+        before = probe()
+        n, t = block(False)
+        shares.append(n / (t - fixed) / ((before + probe()) / 2 * 1e9))
+    return float(np.median(shares))
+
+
+def fit(runs: list, fmt, sparse: float) -> tuple[float, float]:
+    """(dense, compute) of Kernels from runs (whole-row bytes, neuron bytes, bandwidth, seconds less the fixed part),
+    the neurons at the `sparse` share, each predicted as cpu_seconds does: for each arithmetic rate C on a grid, the
+    dense share by least squares in relative error over the runs slower than C's roofline (the memory-bound ones),
+    the C whose predictions err least in log."""
     best = None
     for C in [np.inf, *np.geomspace(10e9, 200e9, 120)]:
         memory = [r for r in runs if r[3] > 1.02 * (r[0] + r[1]) / C] or runs
-        A = np.array([[d / B / t, n / B / t] for d, n, B, t in memory])
-        inverse = np.linalg.lstsq(A, np.ones(len(memory)), rcond=None)[0]
-        if not (inverse > 0).all():
+        a = np.array([d / B / t for d, n, B, t in memory])  # 1 = a / dense + (n / B t) / sparse
+        rest = np.array([1 - n / (B * sparse) / t for d, n, B, t in memory])
+        inverse = float(a @ rest / (a @ a))
+        if inverse <= 0:
             continue
-        k = Kernels(dense={fmt.name: 1 / inverse[0]}, sparse={fmt.name: 1 / inverse[1]},
+        k = Kernels(dense={fmt.name: 1 / inverse}, sparse={fmt.name: sparse},
                     compute={fmt.name: C * flops_per_byte(fmt) / FLOPS})
         err = [np.log(cpu_seconds(d, n, fmt, B, k, FLOPS) / t) for d, n, B, t in runs]
         if best is None or np.sum(np.square(err)) < best[0]:
             best = (np.sum(np.square(err)), k)
     k = best[1]
-    return k.dense[fmt.name], k.sparse[fmt.name], k.compute[fmt.name]
+    return k.dense[fmt.name], float(k.compute[fmt.name])
 
 
 def parts(shape: str, layers: int | None, fmt: str) -> Parts:
@@ -98,14 +141,16 @@ def main(formats, sparsity, threads, tokens, runs, calibrate, passes):
     """Predicted vs measured CPU-only decode (or, with --calibrate, the constants the prediction uses)."""
     formats = formats.split(",")
     if calibrate:
-        from fast.bench import overhead_per_token
         # A step's fixed time, a + b L: the benchmark's step over near-empty matrices at 2 and 32 layers.
         small, large = (overhead_per_token(shape_config("tinyllama-1.1b", n), threads) for n in (2, 32))
         per_layer = (large - small) / 30
         fixed_kernels = Kernels(token_seconds=small - 2 * per_layer, layer_seconds=per_layer)
-        runs_ = {fmt: [] for fmt in formats}
+        set_threads(threads)
+        probe = ReadProbe(0.5)
+        runs_, shares = {fmt: [] for fmt in formats}, {fmt: [] for fmt in formats}
         for fmt in formats * passes:  # a pass of every format, then the next
             for shape, layers, tokens_used in CALIBRATION:
+                shares[fmt].append(neuron_share(shape, fmt, sparsity, threads, probe))
                 b = bench(shape, layers, fmt, sparsity, threads, tokens, runs)
                 p = parts(shape, layers, fmt)
                 B, fixed = b["read_bandwidth_gbs"] * 1e9, fixed_kernels.fixed(p.cfg.n_layers)
@@ -114,15 +159,16 @@ def main(formats, sparsity, threads, tokens, runs, calibrate, passes):
                 for kind, dense_bytes, sparse_bytes in (("dense", p.dense_token, 0.0), ("sparse", whole, ffn)):
                     if kind in tokens_used:
                         runs_[fmt].append((dense_bytes, sparse_bytes, B, 1 / b[kind]["tok_s"] - fixed))
-                click.echo(f"{fmt} {shape} x{layers}: probe {B / 1e9:.1f} GB/s, dense {b['dense']['tok_s']:.2f} t/s, "
-                           f"sparse {b['sparse']['tok_s']:.2f} t/s; bytes ours / bench's: dense "
-                           f"{p.dense_token / b['dense']['bytes_per_token']:.3f}, sparse "
-                           f"{(whole + ffn) / b['sparse']['bytes_per_token']:.3f}")
-        kernels = {fmt: fit(runs_[fmt], FORMATS[fmt]) for fmt in formats}
+                click.echo(f"{fmt} {shape} x{layers}: neurons alone {shares[fmt][-1]:.2f} of the probe; probe "
+                           f"{B / 1e9:.1f} GB/s, dense {b['dense']['tok_s']:.2f} t/s, sparse {b['sparse']['tok_s']:.2f} "
+                           f"t/s; bytes ours / bench's: dense {p.dense_token / b['dense']['bytes_per_token']:.3f}, "
+                           f"sparse {(whole + ffn) / b['sparse']['bytes_per_token']:.3f}")
+        sparse = {fmt: float(np.median(shares[fmt])) for fmt in formats}
+        kernels = {fmt: fit(runs_[fmt], FORMATS[fmt], sparse[fmt]) for fmt in formats}
         click.echo(f"Kernels(dense={ {f: round(k[0], 2) for f, k in kernels.items()} }, "
-                   f"sparse={ {f: round(k[1], 2) for f, k in kernels.items()} }, "
+                   f"sparse={ {f: round(v, 2) for f, v in sparse.items()} }, "
                    f"token_seconds={fixed_kernels.token_seconds:.2e}, layer_seconds={per_layer:.2e}, "
-                   f"compute={ {f: round(k[2], 2) for f, k in kernels.items()} })")
+                   f"compute={ {f: round(k[1], 2) for f, k in kernels.items()} })")
         return
     click.echo("| pass | shape | type | probe GB/s | dense predicted / measured t/s | error "
                "| sparse predicted / measured t/s | error |")
