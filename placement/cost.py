@@ -30,9 +30,9 @@ GPU_EFFICIENCY = 0.8
 class Kernels:
     """What this project's CPU kernels reach (scripts/plan_check.py --calibrate), per weight format: of the read
     probe's bandwidth, `dense` rows read whole (attention, predictors, a dense FFN, the output layer) and a `sparse`
-    FFN's scattered neurons (its block measured alone); of the CPU's FLOP/s (Hardware.cpu_flops), `compute`, the multiply-adds of a decode
-    step's rows at 2 FLOPs a weight, where memory does not bound it; a decode step's fixed time, `token_seconds` plus
-    `layer_seconds` a layer."""
+    FFN's scattered neurons (its block measured alone); of the CPU's FLOP/s (Hardware.cpu_flops), `compute`, the
+    multiply-adds of a decode step's rows at 2 FLOPs a weight, where memory does not bound it; a decode step's fixed
+    time, `token_seconds` plus `layer_seconds` a layer."""
 
     dense: dict = field(default_factory=dict)
     sparse: dict = field(default_factory=dict)

@@ -65,10 +65,10 @@ def neuron_share(shape: str, fmt: str, sparsity: float, threads: int, probe: Rea
     them (whole bundles), time less the same calls' over empty sets (a call's fixed time, which Kernels.layer_seconds
     holds); the median of the rounds. Alone, because in a whole token the neurons are a tenth to a fifth of its
     bytes: a fit of whole tokens leaves their share a residual of a small part of the time."""
-    f, one = FORMATS[fmt], shape_config(shape, 1)
-    per_layer = firing(one.d_ffn, sparsity).sum() * one.ffn_matrices * f.row_bytes(one.d_model)
+    p = parts(shape, 1, fmt)
+    per_layer = firing(p.cfg.d_ffn, sparsity).sum() * p.neuron
     cfg = dataclasses.replace(shape_config(shape, int(np.ceil(NEURON_PASS / per_layer))), vocab_size=64)
-    e = random_engine(cfg, threads, fmt=f)
+    e = random_engine(cfg, threads, fmt=FORMATS[fmt])
     sel = SyntheticSelector(synthetic_predictors(cfg, 16), cfg, sparsity)
     h, y = np.random.default_rng(0).standard_normal(cfg.d_model).astype(np.float32), np.empty(cfg.d_model, np.float32)
     none = np.zeros(0, np.int32)
@@ -160,9 +160,10 @@ def main(formats, sparsity, threads, tokens, runs, calibrate, passes):
                     if kind in tokens_used:
                         runs_[fmt].append((dense_bytes, sparse_bytes, B, 1 / b[kind]["tok_s"] - fixed))
                 click.echo(f"{fmt} {shape} x{layers}: neurons alone {shares[fmt][-1]:.2f} of the probe; probe "
-                           f"{B / 1e9:.1f} GB/s, dense {b['dense']['tok_s']:.2f} t/s, sparse {b['sparse']['tok_s']:.2f} "
-                           f"t/s; bytes ours / bench's: dense {p.dense_token / b['dense']['bytes_per_token']:.3f}, "
-                           f"sparse {(whole + ffn) / b['sparse']['bytes_per_token']:.3f}")
+                           f"{B / 1e9:.1f} GB/s, dense {b['dense']['tok_s']:.2f} t/s, sparse "
+                           f"{b['sparse']['tok_s']:.2f} t/s; bytes ours / bench's: dense "
+                           f"{p.dense_token / b['dense']['bytes_per_token']:.3f}, sparse "
+                           f"{(whole + ffn) / b['sparse']['bytes_per_token']:.3f}")
         sparse = {fmt: float(np.median(shares[fmt])) for fmt in formats}
         kernels = {fmt: fit(runs_[fmt], FORMATS[fmt], sparse[fmt]) for fmt in formats}
         click.echo(f"Kernels(dense={ {f: round(k[0], 2) for f, k in kernels.items()} }, "
