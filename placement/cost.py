@@ -166,16 +166,22 @@ def gpu_seconds(nbytes: float, hw: Hardware) -> float:
     return nbytes / (hw.gpu_bandwidth * GPU_EFFICIENCY)
 
 
+def cpu_token_bytes(p: Parts, active: np.ndarray | None) -> tuple[float, float]:
+    """(whole rows, scattered neurons) in bytes a token reads with every part on the CPU; `active` the expected
+    neurons it computes per layer [L] (None: dense, every neuron, no predictor)."""
+    if active is None:
+        return p.dense_token, 0.0
+    return p.cfg.n_layers * (p.attention + p.predictor) + p.output, float(np.sum(active)) * p.neuron
+
+
 def cpu_only(p: Parts, fmt: Format, bandwidth: float, active: np.ndarray | None,
              kernels: Kernels = CPU_KERNELS, ctx: int = 0, flops: float = 0.0) -> Prediction:
     """Every part on the CPU (`bandwidth` bytes/s, `flops` FLOP/s: cpu_seconds); `active` the expected neurons a
     token computes per layer [L] (None: dense, every neuron, no predictor); the host holds every weight and `ctx`
     positions of keys and values."""
     L = p.cfg.n_layers
-    if active is None:
-        dense, sparse, name = p.dense_token, 0.0, "CPU only, dense"
-    else:
-        dense, sparse, name = L * (p.attention + p.predictor) + p.output, float(np.sum(active)) * p.neuron, "CPU only, sparse"
+    dense, sparse = cpu_token_bytes(p, active)
+    name = "CPU only, dense" if active is None else "CPU only, sparse"
     t = cpu_seconds(dense, sparse, fmt, bandwidth, kernels, flops) + kernels.fixed(L)
     host = p.weights + (0 if active is None else L * p.predictor) + L * ctx * p.kv_position
     return Prediction(name, dense + sparse, [], t, host_resident=host)

@@ -28,7 +28,7 @@ from fast import cpu
 from fast.bench import ReadProbe, SyntheticSelector, overhead_per_token, random_engine, synthetic_predictors
 from fast.engine import FFN_NORM, set_threads
 from placement.budget import HARDWARE
-from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, cpu_seconds, flops_per_byte
+from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, cpu_seconds, cpu_token_bytes, flops_per_byte
 from placement.synthetic import firing
 from ref.common.config import shape_config
 from ref.common.formats import FORMATS
@@ -65,8 +65,8 @@ def neuron_share(shape: str, fmt: str, sparsity: float, threads: int, probe: Rea
     them (whole bundles), time less the same calls' over empty sets (a call's fixed time, which Kernels.layer_seconds
     holds); the median of the rounds. Alone, because in a whole token the neurons are a tenth to a fifth of its
     bytes: a fit of whole tokens leaves their share a residual of a small part of the time."""
-    p = parts(shape, 1, fmt)
-    per_layer = firing(p.cfg.d_ffn, sparsity).sum() * p.neuron
+    one = parts(shape, 1, fmt)
+    per_layer = cpu_token_bytes(one, active(one, sparsity))[1]
     cfg = dataclasses.replace(shape_config(shape, int(np.ceil(NEURON_PASS / per_layer))), vocab_size=64)
     e = random_engine(cfg, threads, fmt=FORMATS[fmt])
     sel = SyntheticSelector(synthetic_predictors(cfg, 16), cfg, sparsity)
@@ -120,11 +120,15 @@ def parts(shape: str, layers: int | None, fmt: str) -> Parts:
     return Parts.of(cfg, FORMATS[fmt], predictor_hidden=predictor_size(cfg))
 
 
+def active(p: Parts, sparsity: float) -> np.ndarray:
+    """The expected neurons a sparse token of p computes per layer [L] at the power law's `sparsity`."""
+    return np.full(p.cfg.n_layers, firing(p.cfg.d_ffn, sparsity).sum())
+
+
 def predict(p: Parts, fmt: str, sparsity: float, bandwidth: float, kernels: Kernels = CPU_KERNELS) -> tuple:
     """(dense, sparse) predictions at `bandwidth` bytes/s."""
-    active = np.full(p.cfg.n_layers, firing(p.cfg.d_ffn, sparsity).sum())
     return (cpu_only(p, FORMATS[fmt], bandwidth, None, kernels, flops=FLOPS),
-            cpu_only(p, FORMATS[fmt], bandwidth, active, kernels, flops=FLOPS))
+            cpu_only(p, FORMATS[fmt], bandwidth, active(p, sparsity), kernels, flops=FLOPS))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -154,16 +158,14 @@ def main(formats, sparsity, threads, tokens, runs, calibrate, passes):
                 b = bench(shape, layers, fmt, sparsity, threads, tokens, runs)
                 p = parts(shape, layers, fmt)
                 B, fixed = b["read_bandwidth_gbs"] * 1e9, fixed_kernels.fixed(p.cfg.n_layers)
-                whole = p.cfg.n_layers * (p.attention + p.predictor) + p.output  # a sparse token's whole rows
-                ffn = p.cfg.n_layers * firing(p.cfg.d_ffn, sparsity).sum() * p.neuron
-                for kind, dense_bytes, sparse_bytes in (("dense", p.dense_token, 0.0), ("sparse", whole, ffn)):
-                    if kind in tokens_used:
-                        runs_[fmt].append((dense_bytes, sparse_bytes, B, 1 / b[kind]["tok_s"] - fixed))
+                read = {"dense": cpu_token_bytes(p, None), "sparse": cpu_token_bytes(p, active(p, sparsity))}
+                for kind in tokens_used:
+                    runs_[fmt].append((*read[kind], B, 1 / b[kind]["tok_s"] - fixed))
                 click.echo(f"{fmt} {shape} x{layers}: neurons alone {shares[fmt][-1]:.2f} of the probe; probe "
                            f"{B / 1e9:.1f} GB/s, dense {b['dense']['tok_s']:.2f} t/s, sparse "
                            f"{b['sparse']['tok_s']:.2f} t/s; bytes ours / bench's: dense "
-                           f"{p.dense_token / b['dense']['bytes_per_token']:.3f}, sparse "
-                           f"{(whole + ffn) / b['sparse']['bytes_per_token']:.3f}")
+                           f"{sum(read['dense']) / b['dense']['bytes_per_token']:.3f}, sparse "
+                           f"{sum(read['sparse']) / b['sparse']['bytes_per_token']:.3f}")
         sparse = {fmt: float(np.median(shares[fmt])) for fmt in formats}
         kernels = {fmt: fit(runs_[fmt], FORMATS[fmt], sparse[fmt]) for fmt in formats}
         click.echo(f"Kernels(dense={ {f: round(k[0], 2) for f, k in kernels.items()} }, "
