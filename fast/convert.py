@@ -27,7 +27,7 @@ from ref.common.progress import Progress
 from ref.common.safetensors import upcast
 from ref.common.weights import Weights
 from ref.common.tokenizer import load_tokenizer, tokenizer_kv
-from ref.quant import Transposed, predictor_format, quantize, stored_format, tensor_format
+from ref.quant import Transposed, predictors_beside, quantize, stored_format, tensor_format
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
@@ -36,7 +36,7 @@ def plan(w: Weights, fmt: Format, predictors: Predictors | None, sparsity: Thres
     """The file's tensors in order, each computed when written: norms and biases f32; matrices in fmt (attn_q /
     attn_k rows in llama.cpp's order where its architecture permutes them; the down matrix transposed when predictors
     come along); rope_freqs where the frequencies are scaled per frequency; predictors in the format that goes with
-    fmt where their rows are whole blocks of it, else f16 (ref.quant.predictor_format); an activation-sparsity
+    fmt, every layer alike (ref.quant.predictors_beside); an activation-sparsity
     calibration's tensors f32 under `sparsity.`."""
     cfg, out = w.config, rope_freqs(w.config)
     permuted = gguf_architecture(cfg) in PERMUTED
@@ -50,10 +50,10 @@ def plan(w: Weights, fmt: Format, predictors: Predictors | None, sparsity: Thres
                                lambda n=name: in_format(transposed(w[n]), fmt, n)))
         else:
             out.append(Planned(gname, shape, f, lambda n=name, f=f: in_format(w[n], f, n)))
-    for l, (a, b) in enumerate(zip(predictors.fc1, predictors.fc2) if predictors is not None else ()):
+    stored = predictors_beside(predictors, fmt) if predictors is not None else None
+    for l, (a, b) in enumerate(zip(stored.fc1, stored.fc2) if stored is not None else ()):
         for part, t in (("fc1", a), ("fc2", b)):
-            f = predictor_format(fmt, t.shape[-1])
-            out.append(Planned(f"blk.{l}.{part}.weight", tuple(t.shape), f, lambda t=t, f=f: quantize(upcast(t), f)))
+            out.append(Planned(f"blk.{l}.{part}.weight", tuple(t.shape), tensor_format(t), lambda t=t: t))
     for key, t in (sparsity.tensors() if sparsity is not None else {}).items():
         out.append(Planned(SPARSITY_PREFIX + key, t.shape, FORMATS["f32"], lambda t=t: t.astype(np.float32)))
     return out

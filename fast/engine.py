@@ -499,7 +499,8 @@ class Engine(Decoder):
     def step_layers(self) -> list | None:
         """The per-layer arrays cpu.decode_step reads (cpu.StepLayer's fields but the cache's slots), kept until a
         transform changes the layers (layers_changed) or the selector is replaced; None where the step does not
-        apply: the dense layout (dense_ffn), activation sparsity, or a selector whose own pick reads the logits."""
+        apply: the dense layout (dense_ffn), activation sparsity, a selector whose own pick reads the logits, or
+        layers whose arrays differ in type (a format per layer: one compiled step takes one type per field)."""
         sel, c, L0 = self.selector, self.config, self.layers[0]
         if L0.gate_up is not None or L0.wqkv is None or (sel.predicts and not sel.by_threshold and not sel.ahead):
             return None
@@ -511,7 +512,8 @@ class Engine(Decoder):
                 parts.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
                               L.qk_norms, L.wo, L.bo, L.bundle, L.bu, L.bd,
                               *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
-            self._step = (sel, parts)
+            uniform = len({tuple(numba.typeof(a) for a in p) for p in parts}) == 1
+            self._step = (sel, parts if uniform else None)
         return self._step[1]
 
     def layers_changed(self) -> None:

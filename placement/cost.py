@@ -89,7 +89,8 @@ class Parts:
         kv_position = 2 * K * kv.row_bytes(E)
         attention += depth * kv_position
         R = predictor_hidden
-        pfmt = predictor_format(fmt, int(np.gcd(D, R)) if R else None)
+        pfmt = predictor_format(fmt, D)
+        R += -R % pfmt.block  # padded to whole blocks (ref.quant.pad_hidden)
         predictor = pfmt.nbytes((R, D)) + pfmt.nbytes((cfg.d_ffn, R)) if R else 0
         return Parts(attention, cfg.ffn_matrices * fmt.row_bytes(D), predictor,
                      D * vector + fmt.nbytes((cfg.vocab_size, D)), cfg, kv_position, depth)

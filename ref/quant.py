@@ -171,8 +171,8 @@ def values(b: np.ndarray) -> np.ndarray:
 
 
 # The predictors' format that goes with a weight format: q8_0 for f16 and bf16 weights, else the weights' own (as
-# PowerInfer's Q4 files hold Q4_0 predictors: its quantize tool takes every matrix); f16 for a predictor matrix whose
-# rows are not whole blocks of it. Predictor recall on the shipped model, 6,000 held-out tokens: 0.977 in f32, f16
+# PowerInfer's Q4 files hold Q4_0 predictors: its quantize tool takes every matrix); f16 where the model's rows (fc1's)
+# are not whole blocks of it. Predictor recall on the shipped model, 6,000 held-out tokens: 0.977 in f32, f16
 # and q8_0, 0.952 in q4_0, yet its perplexity beside q4_0 weights is 18.2784 with q4_0 predictors against 18.2765
 # with q8_0 (+0.01%; val.txt, fast.perplexity); q8_0 predictors read about half an f16 predictor's bytes (TinyLlama's
 # shape, f16 weights, 90% sparse decode: 26.7 -> 29.7 tok/s, 2.15x -> 2.44x llama.cpp's dense f16), q4_0 ones half a
@@ -180,27 +180,40 @@ def values(b: np.ndarray) -> np.ndarray:
 PREDICTOR_FORMATS = {"f16": "q8_0", "bf16": "q8_0"}
 
 
-def predictor_format(fmt: Format, row: int | None = None) -> Format:
-    """The format of a predictor matrix with rows of `row` elements (any, if None) beside `fmt` weights."""
+def predictor_format(fmt: Format, d_model: int | None = None) -> Format:
+    """The format of the predictors beside `fmt` weights, for a model of `d_model` (any, if None): fc1's rows are
+    d_model long, fc2's are padded to whole blocks (pad_hidden)."""
     f = FORMATS[PREDICTOR_FORMATS.get(fmt.name, fmt.name)]
-    return f if row is None or row % f.block == 0 else FORMATS["f16"]
+    return f if d_model is None or d_model % f.block == 0 else FORMATS["f16"]
+
+
+def pad_hidden(fc1: np.ndarray, fc2: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """A predictor fc1 [R, D], fc2 [F, R] with R padded to whole blocks by zero hidden units: relu(0 . h) = 0 adds 0 to
+    every logit, so the predictor is the same function and every layer's fc2 takes the block format (-> float32)."""
+    fc1, fc2 = upcast(fc1), upcast(fc2)
+    pad = -fc1.shape[0] % block
+    if pad == 0:
+        return fc1, fc2
+    return (np.concatenate([fc1, np.zeros((pad, fc1.shape[1]), np.float32)]),
+            np.concatenate([fc2, np.zeros((fc2.shape[0], pad), np.float32)], axis=1))
+
+
+def quantize_predictors(pred: Predictors, fmt: str | Format, flag: str = "--predictor-type") -> Predictors:
+    """The predictors with fc1 and fc2 stored in `fmt`, each layer's hidden size padded to whole blocks of it
+    (pad_hidden), so that every layer has the same formats; a format whose blocks do not divide the model's rows
+    (fc1's) is refused. The recall each format keeps: scripts/eval_sparse.py --predictor-type."""
+    fmt = fmt if isinstance(fmt, Format) else format_of(fmt, flag)
+    fc1, fc2 = [], []
+    for l, (a, b) in enumerate(zip(pred.fc1, pred.fc2)):
+        a, b = pad_hidden(a, b, fmt.block)
+        fc1.append(quantize(a, fmt, f"layer {l}'s fc1", flag))
+        fc2.append(quantize(b, fmt, f"layer {l}'s fc2", flag))
+    return Predictors(fc1, fc2, pred.threshold, {**pred.metadata, "format": fmt.name})
 
 
 def predictors_beside(pred: Predictors, fmt: Format) -> Predictors:
-    """The predictors in the formats that go with `fmt` weights, matrix by matrix (predictor_format)."""
-    def stored(ts, part):
-        return [quantize(upcast(t), predictor_format(fmt, t.shape[-1]), f"layer {l}'s {part}") for l, t in enumerate(ts)]
-    return Predictors(stored(pred.fc1, "fc1"), stored(pred.fc2, "fc2"), pred.threshold,
-                      {**pred.metadata, "format": predictor_format(fmt).name})
-
-
-def quantize_predictors(pred: Predictors, fmt: str | Format) -> Predictors:
-    """The predictors with fc1 and fc2 stored in `fmt` (the recall each format keeps: scripts/eval_sparse.py
-    --predictor-type); a format whose blocks do not divide a layer's hidden size R is refused."""
-    fmt = fmt if isinstance(fmt, Format) else format_of(fmt, "--predictor-type")
-    fc1 = [quantize(upcast(a), fmt, f"layer {l}'s fc1", "--predictor-type") for l, a in enumerate(pred.fc1)]
-    fc2 = [quantize(upcast(b), fmt, f"layer {l}'s fc2", "--predictor-type") for l, b in enumerate(pred.fc2)]
-    return Predictors(fc1, fc2, pred.threshold, {**pred.metadata, "format": fmt.name})
+    """The predictors in the format that goes with `fmt` weights (predictor_format), every layer alike."""
+    return quantize_predictors(pred, predictor_format(fmt, pred.fc1[0].shape[1] if pred.fc1 else None))
 
 
 def quantize_model(model, fmt: str | Format):

@@ -9,7 +9,6 @@ medians over all tokens of all rounds.
 """
 
 import json
-import math
 import tempfile
 from pathlib import Path
 
@@ -88,8 +87,8 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
     pred = synthetic_predictors(cfg, R)
     if predictor_type:
         pfmt, pred = FORMATS[predictor_type], quantize_predictors(pred, predictor_type)
-    else:  # as fast.load stores them: the format that goes with the weights where the rows are whole blocks of it
-        pfmt, pred = predictor_format(engine.format, math.gcd(cfg.d_model, R)), predictors_beside(pred, engine.format)
+    else:  # as fast.load stores them: the format that goes with the weights
+        pfmt, pred = predictor_format(engine.format, cfg.d_model), predictors_beside(pred, engine.format)
     # dense: laid out as fast.run lays out a run without predictors (dense_twin); sparse: the bundles and predictors
     engine.selector = SyntheticSelector(pred, cfg, sparsity)
     engines = {"dense": dense_twin(engine), "sparse": engine}

@@ -11,7 +11,7 @@ from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.artifacts import Predictors
-from ref.quant import Quantized, predictor_format, predictors_beside, quantize_model
+from ref.quant import Quantized, predictor_format, predictors_beside, quantize, quantize_model
 from ref.sparse import default_predictors
 from tests.fast.conftest import sparse_engine, sparse_model
 from tests.helpers import SHIPPED, assert_close, write_model
@@ -49,6 +49,37 @@ def test_ref_and_fast_facades_agree_by_default(shipped_tokenizer):
     assert layout_of(e.selector.fc1[0]).format.name == "q8_0" and isinstance(m.selector.fc1[0], Quantized)
     ids = shipped_tokenizer.encode(PROMPTS[0])
     assert_close(e.logits(ids), m.logits(ids), rtol=1e-4)
+
+
+def narrowed_predictors(path, R: int = 16) -> Predictors:
+    """The shipped predictors with layer 0 cut to R hidden units (the trainer's smallest rung)."""
+    pred = Predictors.load(SHIPPED / "predictors.safetensors", ref.Model.load(SHIPPED).config)
+    pred.fc1[0], pred.fc2[0] = pred.fc1[0][:R].copy(), pred.fc2[0][:, :R].copy()
+    pred.save(path)
+    return pred
+
+
+def test_predictors_of_any_width_run_as_the_clis_store_them(shipped_tokenizer, tmp_path):
+    """A 16-wide layer beside 64-wide ones, stored q8_0 beside f16 weights (padded to whole blocks): fast decodes it
+    in its one-call step, and generates what ref does."""
+    narrowed_predictors(tmp_path / "p.safetensors")
+    e = fast.load_engine(SHIPPED, predictors=tmp_path / "p.safetensors", threads=2)
+    m = ref.load_model(SHIPPED, tmp_path / "p.safetensors")
+    assert {f.name for f in e.selector.formats} == {"q8_0"} and e.step_layers() is not None
+    ids = shipped_tokenizer.encode(PROMPTS[1])
+    assert e.generate(ids, 16) == ref.generate(m, ids, 16)
+
+
+def test_predictors_in_a_format_per_layer_run_layer_by_layer(shipped_tokenizer, tmp_path):
+    """Predictors as a file may hold them, layer 0 in f16 and the others in q8_0: no one-call step takes two types
+    for one field, so decode runs layer by layer, as ref."""
+    pred = narrowed_predictors(tmp_path / "p.safetensors")
+    stored = Predictors([quantize(a, "f16" if l == 0 else "q8_0") for l, a in enumerate(pred.fc1)],
+                        [quantize(b, "f16" if l == 0 else "q8_0") for l, b in enumerate(pred.fc2)], pred.threshold, {})
+    e, m = apply_predictors(Engine.load(SHIPPED), stored), ref.apply_predictors(ref.Model.load(SHIPPED), stored)
+    assert e.step_layers() is None
+    ids = shipped_tokenizer.encode(PROMPTS[1])
+    assert e.generate(ids, 16) == ref.generate(m, ids, 16)
 
 
 def test_shipped_greedy_32_tokens_match(shipped_engine, shipped_model, shipped_tokenizer):
@@ -112,17 +143,16 @@ def test_predictors_of_another_model(small, tmp_path):
 
 
 def test_facade_composes_the_transforms(small):
-    """load_engine = Engine.load, then apply_predictors (in the formats that go with the weights, f16 here: q8_0 where
-    a matrix's rows are whole blocks, else f16), then the warm-up: the same logits, kernels compiled."""
+    """load_engine = Engine.load, then apply_predictors (in the format that goes with the weights, q8_0 beside f16,
+    every layer's hidden size padded to whole blocks of it), then the warm-up: the same logits, kernels compiled."""
     ids = np.array([1, 2, 3, 4])
     e = fast.load_engine(small, predictors=small / "predictors.safetensors", predictor_threshold=0.5)
     assert e.selector.threshold == np.float32(0.5) and e.compile_seconds > 0
     pred = Predictors.load(small / "predictors.safetensors", e.config)
-    for ours, theirs in ((e.selector.fc1[0], pred.fc1[0]), (e.selector.fc2[0], pred.fc2[0])):
-        assert layout_of(ours).format == predictor_format(FORMATS["f16"], theirs.shape[-1])
-    assert {layout_of(e.selector.fc1[0]).format.name, layout_of(e.selector.fc2[0]).format.name} <= {"f16", "q8_0"}
-    assert set(e.selector.formats) == {layout_of(a).format for a in (*e.selector.fc1, *e.selector.fc2)}
-    assert e.selector.params == tuple(a.shape[0] * a.shape[1] + b.shape[0] * b.shape[1] for a, b in zip(pred.fc1, pred.fc2))
+    pfmt = predictor_format(FORMATS["f16"], e.config.d_model)
+    assert pfmt.name == "q8_0" and set(e.selector.formats) == {pfmt}
+    R = [-(-a.shape[0] // pfmt.block) * pfmt.block for a in pred.fc1]  # 8 -> 32
+    assert e.selector.params == tuple(r * (a.shape[1] + b.shape[0]) for r, a, b in zip(R, pred.fc1, pred.fc2))
     want = apply_predictors(Engine.load(small), predictors_beside(pred, FORMATS["f16"]), 0.5).logits(ids)
     np.testing.assert_array_equal(e.logits(ids), want)
 

@@ -21,7 +21,7 @@ from ref.common.formats import FORMATS
 from ref.common.gguf_io import gguf_metadata, read_gguf, rope_rows
 from ref.common.safetensors import upcast
 from ref.common.tokenizer import load_tokenizer
-from ref.quant import Transposed, predictor_format, predictors_beside, quantize, values
+from ref.quant import Transposed, pad_hidden, predictor_format, predictors_beside, quantize, values
 from tests.helpers import ROOT, SHIPPED, assert_close, write_gguf
 
 TYPES = ["f16", "q8_0", "q4_0"]
@@ -83,8 +83,8 @@ def test_round_trip_through_llama_cpps_reader(files, fmt, tmp_path):
     check("output.weight", w["lm_head"].astype(np.float32))
     check("blk.0.attn_norm.weight", w["layers.0.attn_norm"].astype(np.float32), gguf.GGMLQuantizationType.F32)
     pred = Predictors.load(SHIPPED / "predictors.safetensors", c)
-    pfmt = predictor_format(FORMATS[fmt], pred.fc2[3].shape[-1])  # q8_0 beside f16 and bf16
-    check("blk.3.fc2.weight", pred.fc2[3], gguf.GGMLQuantizationType[pfmt.name.upper()])
+    pfmt = predictor_format(FORMATS[fmt], c.d_model)  # q8_0 beside f16 and bf16
+    check("blk.3.fc2.weight", pad_hidden(pred.fc1[3], pred.fc2[3], pfmt.block)[1], gguf.GGMLQuantizationType[pfmt.name.upper()])
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
     assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == c.n_layers
     assert (meta["llama.embedding_length"], meta["llama.feed_forward_length"]) == (c.d_model, c.d_ffn)

@@ -84,3 +84,33 @@ def test_quantized_model_runs_sparse():
     dense_pred = ref.load_model(SHIPPED, predictors=pred).logits(ids)
     assert_close(sparse.logits(ids), dense_pred, rtol=3e-2)
     assert not np.allclose(sparse.logits(ids), want, rtol=1e-3)  # sparse, not dense
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "q4_0"])
+def test_predictors_of_any_width_take_one_format(fmt):
+    """A predictor of any hidden size (the trainer's ladder starts at 16) is padded to whole blocks by zero hidden
+    units: every layer stored alike, and the same function (relu(0) adds 0: up to the float sums' order) before
+    rounding."""
+    from ref.common.artifacts import Predictors
+    from ref.quant import pad_hidden, quantize_predictors, tensor_format
+    from ref.sparse import predictor_logits
+    rng = np.random.default_rng(3)
+    D, F = 64, 96
+    fc1 = [rng.standard_normal((R, D)).astype(np.float32) for R in (16, 33, 64)]
+    fc2 = [rng.standard_normal((F, a.shape[0])).astype(np.float32) for a in fc1]
+    h = rng.standard_normal((5, D)).astype(np.float32)
+    for a, b in zip(fc1, fc2):
+        pa, pb = pad_hidden(a, b, 32)
+        assert pa.shape[0] % 32 == 0 and pb.shape == (F, pa.shape[0])
+        assert_close(predictor_logits(h, pa, pb), predictor_logits(h, a, b), rtol=1e-6)
+    q = quantize_predictors(Predictors(fc1, fc2, 0.0, {}), fmt)
+    assert {tensor_format(t).name for t in (*q.fc1, *q.fc2)} == {fmt}
+    assert [t.shape[0] for t in q.fc1] == ([16, 33, 64] if fmt == "f16" else [32, 64, 64])
+
+
+def test_predictors_of_a_model_whose_rows_are_not_blocks_are_refused():
+    from ref.common.artifacts import Predictors
+    from ref.quant import quantize_predictors
+    p = Predictors([np.zeros((16, 48), np.float32)], [np.zeros((64, 16), np.float32)], 0.0, {})
+    with pytest.raises(UserError, match="--predictor-type q8_0: layer 0's fc1 has rows of 48 elements"):
+        quantize_predictors(p, "q8_0")
