@@ -7,6 +7,8 @@ transformers' environment: ImmutableSandboxedEnvironment(trim_blocks, lstrip_blo
 
 import json
 import math
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +21,10 @@ FALLBACK = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'
 
 
 MAX_TEXT = 1 << 24  # characters (or items) a template's * and ** may make: a prompt, not the machine's memory
+# A render's budget: lines of the template's compiled code run (Qwen3's template runs about 20 a message, Llama-3.1's
+# 8) and seconds, so that a template's loops end in an error instead of holding a worker thread (and the GIL).
+MAX_LINES = 10_000_000
+MAX_SECONDS = 10.0
 
 
 class TemplateError(ValueError):
@@ -102,8 +108,11 @@ class ChatTemplate:
         return tokenizer.encode(text, bos=self.is_fallback)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The prompt text, within the budget (MAX_LINES of the template run, MAX_SECONDS)."""
         if self.is_fallback and extra.get("tools"):
             raise TemplateError("this model has no chat template, and the plain fallback has no tools")
+        outer = sys.gettrace()
+        sys.settrace(Budget(MAX_LINES, MAX_SECONDS))  # this thread's frames from here on
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
@@ -111,3 +120,26 @@ class ChatTemplate:
             raise
         except Exception as e:  # a template that fails on this input (jinja2's errors, a sandbox violation)
             raise TemplateError(f"the chat template failed on these messages: {e}") from None
+        finally:
+            sys.settrace(outer)
+
+
+class Budget:
+    """A trace function that counts the lines a template's compiled code runs (frames of jinja2's '<template>'; no
+    other frame is traced) and ends the render with a TemplateError past `lines` of them or `seconds`."""
+
+    def __init__(self, lines: int, seconds: float):
+        self.left, self.lines, self.seconds = lines, lines, seconds
+        self.deadline = time.monotonic() + seconds
+
+    def __call__(self, frame, event, arg):
+        return self.line if frame.f_code.co_filename == "<template>" else None
+
+    def line(self, frame, event, arg):
+        if event == "line":
+            self.left -= 1
+            if self.left <= 0:
+                raise TemplateError(f"the chat template ran over {self.lines:,} lines on these messages")
+            if self.left % 1024 == 0 and time.monotonic() > self.deadline:
+                raise TemplateError(f"the chat template ran over {self.seconds:g} s on these messages")
+        return self.line

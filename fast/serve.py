@@ -15,6 +15,7 @@ ctrl_c_quits_while_starting(__name__)
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import signal
 import socket
@@ -143,12 +144,13 @@ def create_app(server: Server):
 
     heavy = asyncio.Semaphore(2)
 
-    async def off_loop(size: int, fn, *args, **kwargs):
+    async def off_loop(size: int, fn, *args, by_size: bool = True, **kwargs):
         """fn(*args, **kwargs) in a worker thread, so that the event loop answers others meanwhile; on the loop for
-        an input under SMALL bytes (done in less time than a thread takes to start on it). Work on inputs of a
-        megabyte or more takes turns, two at a time (tokenizing 7 MB of text peaks at 600 MB), and gives its memory
-        back to the system after (glibc keeps what a worker thread freed)."""
-        if size < SMALL:
+        an input under SMALL bytes where the work is `by_size` (done in less time than a thread takes to start on
+        it; not a chat template's, which runs the model's code). Work on inputs of a megabyte or more takes turns,
+        two at a time (tokenizing 7 MB of text peaks at 600 MB), and gives its memory back to the system after
+        (glibc keeps what a worker thread freed)."""
+        if size < SMALL and by_size:
             return fn(*args, **kwargs)
         if size < LARGE:
             return await asyncio.to_thread(fn, *args, **kwargs)
@@ -262,7 +264,8 @@ def create_app(server: Server):
         params, stream = parse_params(body, chat=True)
         try:
             text = await off_loop(sum(len(m["content"]) for m in messages), server.template.render, messages,
-                                  tools=body.get("tools"), add_generation_prompt=messages[-1]["role"] != "assistant")
+                                  tools=body.get("tools"), add_generation_prompt=messages[-1]["role"] != "assistant",
+                                  by_size=False)
         except TemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         server.check_length(text, "messages")
@@ -350,6 +353,14 @@ def read_api_key(key: str | None, file: Path | None) -> str | None:
     if not lines or not lines[0].strip():
         raise UserError(f"--api-key-file {file}: its first line is empty")
     return lines[0].strip()
+
+
+def load_failure(e: BaseException) -> UserError:
+    """The one line a failed load ends the server with: a UserError's own, else the exception's type and text (an
+    exception's text may be empty)."""
+    if isinstance(e, UserError):
+        return e
+    return UserError(f"loading the model failed: {type(e).__name__}" + (f": {e}" if str(e) else ""))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -445,6 +456,12 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shif
             scheduler.drain(shutdown_timeout)
             await super().shutdown(sockets)
 
+        def handle_exit(self, sig, frame):
+            if sig == signal.SIGINT and self.should_exit:  # whatever the loop or a worker thread is doing
+                os.write(2, b"\ninterrupted again: quitting now\n")
+                os._exit(130)
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -463,8 +480,7 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shif
         if scheduler.failed is not None:
             http.should_exit = True
             await task
-            raise scheduler.failed if isinstance(scheduler.failed, UserError) else UserError(
-                f"loading the model failed: {scheduler.failed}")
+            raise load_failure(scheduler.failed)
         if scheduler.ready.is_set():
             e = scheduler.engine
             click.echo(f"ready: {server.alias}, {slots} slots of {scheduler.ctx} positions, {e.threads} threads, "
@@ -479,6 +495,9 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shif
         scheduler.stop()
     if not http.started:
         sys.exit(1)
+    m = scheduler.metrics
+    click.echo(f"stopped: {m['requests_total']:,} requests served, {m['tokens_predicted_total']:,} tokens predicted",
+               err=True)
 
 
 if __name__ == "__main__":

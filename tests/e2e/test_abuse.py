@@ -1,6 +1,7 @@
 """`python -m fast.serve` against requests meant to hurt it: each gets a 4xx JSON error (nothing of it parsed where a
 header already says no), and the server goes on serving others; the limits are the defaults a user gets."""
 
+import contextlib
 import json
 import socket
 import statistics
@@ -284,6 +285,7 @@ def test_a_signal_drains_the_streams_then_exits_0(sig, grace):
     assert s.proc.wait(30) == 0 and time.time() - t0 < 10
     err = s.proc.stderr.read()
     assert "Traceback" not in err and "Error" not in err, err
+    assert err.strip().splitlines()[-1].startswith("stopped: 2 requests served"), err  # a clean stop says so
     for out in streams:
         assert out[-1] == "data: [DONE]"
         final = json.loads(out[-2][len("data: "):])
@@ -291,3 +293,44 @@ def test_a_signal_drains_the_streams_then_exits_0(sig, grace):
         assert final["choices"][0]["finish_reason"] == "length" and (tokens < 500 if grace == 0 else tokens == 500)
     with pytest.raises(httpx.ConnectError):
         httpx.get(s.url + "/health")
+
+
+def test_a_templates_loops_end_in_a_400_while_the_server_answers(tmp_path):
+    """A model whose chat template loops 10^10 times: the request gets a 400 naming the template's budget, /health
+    answers meanwhile (the template runs off the event loop, whatever the messages' length), and the server goes on;
+    then a second Ctrl-C quits at once, while a long stream would have kept the first one draining."""
+    import signal
+    for f in SHIPPED.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": loops}))
+    s = ServerProcess(str(tmp_path), "--shutdown-timeout", "60", "--context-shift")
+    try:
+        out = []
+        chat = threading.Thread(target=lambda: out.append(httpx.post(s.url + CHAT, timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})))
+        chat.start()
+        waits = []
+        while chat.is_alive():
+            t0 = time.time()
+            assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+            waits.append(time.time() - t0)
+        chat.join()
+        assert out[0].status_code == 400 and "the chat template ran over" in out[0].json()["error"]["message"]
+        assert len(waits) > 3 and max(waits) < 1.0, waits
+        first, events = threading.Event(), []
+
+        def endless():  # a stream of 20,000 tokens (the context shifting): the first Ctrl-C would drain it a while
+            with contextlib.suppress(httpx.HTTPError):
+                stream_events(s.url, {"prompt": "once", "max_tokens": 20_000, "ignore_eos": True}, first, events)
+        threading.Thread(target=endless, daemon=True).start()
+        assert first.wait(60)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(10) == 130 and time.time() - t0 < 3
+        assert "interrupted again: quitting now" in s.proc.stderr.read()
+    finally:
+        if s.proc.poll() is None:
+            s.stop()

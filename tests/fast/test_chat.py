@@ -34,6 +34,27 @@ def test_what_a_template_may_make_is_bounded(source):
     assert MAX_TEXT < 400_000_000
 
 
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_templates_loops_end_within_its_budget(monkeypatch):
+    """Two nested range(100000) loops (10^10 iterations) end in a TemplateError at MAX_LINES, or at MAX_SECONDS of a
+    slower template; a render within the budget is untouched, and the caller's trace function is given back."""
+    import sys
+    import time
+    from fast import chat
+    with pytest.raises(TemplateError, match="ran over 10,000,000 lines"):
+        ChatTemplate(LOOPS).render(HI)
+    monkeypatch.setattr(chat, "MAX_SECONDS", 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError, match="ran over 0.2 s"):
+        ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{{ i ~ j ~ messages }}{% endfor %}"
+                     "{% endfor %}").render(HI)
+    assert time.monotonic() - t0 < 2
+    outer = sys.gettrace()
+    assert ChatTemplate("{% for i in range(1000) %}{% endfor %}ok").render(HI) == "ok" and sys.gettrace() is outer
+
+
 def test_a_template_that_does_not_compile_is_one_line():
     with pytest.raises(UserError, match="chat template: "):
         ChatTemplate("{% for m in messages %}")
