@@ -13,6 +13,7 @@ Dimensions: D d_model, F FFN neurons, R predictor hidden size, L layers, N spars
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +22,31 @@ from ref.common.errors import UserError
 from ref.common.safetensors import checkpoint_files, open_safetensors, read_header, upcast, write_safetensors
 
 
+def check_replaceable(path: str | Path, flag: str = "-o/--output") -> None:
+    """A path a command may write a file to: absent, a regular file or a link (the rename replaces the link, not
+    what it names); never a folder, a device, a FIFO or a socket, which a rename would replace with a file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a device, a FIFO or a socket)"
+        raise UserError(f"{flag} {path}: {kind}; name a file to write")
+
+
+def replace_file(tmp: str | Path, path: str | Path) -> None:
+    """Rename the complete file `tmp` over `path`, checked again now (check_replaceable)."""
+    check_replaceable(path)
+    os.replace(tmp, path)
+
+
 def atomic_save(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write a safetensors file to a temp name in the same folder, then rename: never a half-written file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write_safetensors(tmp, tensors, metadata)
-        os.replace(tmp, path)
+        replace_file(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ref.common.artifacts import check_sparsity
+from ref.common.artifacts import check_replaceable, check_sparsity
 from ref.common.batch import KV_DEFAULT, KV_FORMATS
 from ref.common.errors import Terminated, UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c, terminate
 from ref.common.formats import FORMATS
@@ -286,12 +286,14 @@ def resolve_seed(seed: int) -> int:
 
 
 def output_file(path: Path, force: bool, flag: str = "-o/--output") -> Path:
-    """Where a command writes: into a folder that exists, over an existing file only with --force (checked before
-    any work, so that a long run never ends in an error or silently replaces a shipped artifact)."""
+    """Where a command writes: into a folder that exists, a file (check_replaceable), over an existing one only with
+    --force (checked before any work, so that a long run never ends in an error or silently replaces a shipped
+    artifact)."""
     if not path.parent.is_dir():
         raise UserError(f"{flag} {path}: folder {path.parent} does not exist")
     if path.is_dir():
         raise UserError(f"{flag} {path}: a folder; name the file to write")
+    check_replaceable(path, flag)
     if path.exists() and not force:
         raise UserError(f"{flag} {path} exists: pass --force to replace it")
     return path

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ref.common.artifacts import Predictors, Thresholds, check_predictor_shapes
+from ref.common.artifacts import Predictors, Thresholds, check_predictor_shapes, replace_file
 from ref.common.config import ModelConfig
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
@@ -427,7 +427,7 @@ def write_gguf(out: Path, kind: str, arch: str, kv: list, planned: list[Planned]
                 f.write(b"PWRI")
         os.chmod(tmp, 0o666 & ~_umask())
         size = os.path.getsize(tmp)
-        os.replace(tmp, out)
+        replace_file(tmp, out)
         return size
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

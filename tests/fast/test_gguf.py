@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -344,6 +345,22 @@ def test_convert_writes_what_llama_cpps_converter_writes(tmp_path, variant):
 def test_convert_to_a_folder_is_one_line(tmp_path):
     r = convert(SHIPPED, "-o", tmp_path, "--force")
     assert r.returncode == 1 and "a folder; name the file to write" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_convert_writes_only_regular_files(tmp_path):
+    """--force replaces a file or a link, never a FIFO or a device (a rename would put a regular file in their
+    place: /dev/null as root), here or in a writer's own rename."""
+    import os
+    from ref.common.artifacts import replace_file
+    os.mkfifo(tmp_path / "fifo")
+    for target in (tmp_path / "fifo", Path("/dev/null")):
+        r = convert(SHIPPED, "-o", target, "--force", "--dense")
+        assert r.returncode == 1 and r.stderr == f"error: -o {target}: not a regular file (a device, a FIFO or a socket); name a file to write\n"
+        assert not target.is_file()
+    (tmp_path / "part").write_bytes(b"x")
+    with pytest.raises(UserError, match="fifo: not a regular file"):
+        replace_file(tmp_path / "part", tmp_path / "fifo")
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["fifo", "part"]
 
 
 def test_sentencepiece_tokenizer_from_llama_cpp_metadata(tmp_path):
