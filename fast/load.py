@@ -58,7 +58,7 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
         raise UserError(f"--type {fmt.name}: {path} is quantized to {stored.name} already; quantizing it again loses "
                         f"accuracy twice (convert the original checkpoint instead)")
     ffn = predictors is None or (predictors == EMBEDDED and w.predictors is None)  # no predictors keep the FFN
-    cut = sparsity_to_run(w.config, path, sparsity, sparsity_method, sparsity_file, embedded=w.sparsity, ffn=ffn)
+    cut = sparsity_to_run(w, path, sparsity, sparsity_method, sparsity_file, ffn=ffn)
     kv = tuple(kv_format(name, flag, w.config.head_dim) for name, flag in zip(cache_types, ("-ctk", "-ctv")))
     check_memory(path, w.config, fmt or stored, kv)
     engine = Engine.load(w, threads, fmt)

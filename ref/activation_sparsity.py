@@ -158,13 +158,15 @@ def cats_ffn_block(model: Model, l: int, h: np.ndarray, dense_linear) -> np.ndar
     return dense_linear(a, f"layers.{l}.wd")
 
 
-def sparsity_to_run(cfg, path, sparsity: float | None, method: str = "teal", given: Path | None = None,
-                    allocation: str | None = None, embedded: Thresholds | None = None,
-                    ffn: bool = True) -> np.ndarray | None:
-    """The thresholds [L, 4] of --sparsity S by `method` from the model's calibration: --sparsity-file (`given`),
-    else a GGUF file's own (`embedded`), else DEFAULT_FILE in the model's folder; each block's allocation the
-    calibration's greedy one where it has it for the method and the FFN is thinned too (`ffn`; beside predictors
-    attention's inputs are at S), else uniform. None for no sparsity or S = 0 (the dense model, exactly)."""
+def sparsity_to_run(weights, path, sparsity: float | None, method: str = "teal", given: Path | None = None,
+                    allocation: str | None = None, ffn: bool = True) -> np.ndarray | None:
+    """The thresholds [L, 4] of --sparsity S by `method` from the calibration of the model of `weights`
+    (ref.common.weights.Weights, loaded from `path`): --sparsity-file (`given`), else a GGUF file's own
+    (weights.sparsity), else DEFAULT_FILE in the model's folder, checked to be this model's (Thresholds.check); each
+    block's allocation the calibration's greedy one where it has it for the method and the FFN is thinned too
+    (`ffn`; beside predictors attention's inputs are at S), else uniform. None for no sparsity or S = 0 (the dense
+    model, exactly)."""
+    cfg, embedded = weights.config, weights.sparsity
     if sparsity is None:
         return None
     check_sparsity(sparsity)
@@ -182,7 +184,7 @@ def sparsity_to_run(cfg, path, sparsity: float | None, method: str = "teal", giv
             raise UserError(f"--sparsity {sparsity}: {source} not found; calibrate the model first: "
                             f"python scripts/calibrate_sparsity.py {path}")
         th = Thresholds.load(source)
-    th.check(cfg, method, source)
+    th.check(weights, method, source, own=th is embedded)
     allocation = allocation or ("greedy" if ffn and method in th.greedy else "uniform")
     return th.cut(method, th.levels(cfg, method, sparsity, allocation))
 

@@ -182,6 +182,5 @@ def load_model(path: str | Path, predictors=None, dtype=np.float32, threshold: f
         model.config, predictors, model.weights.predictors, stored_format(model.weights), threshold, predictor_type)
     if run is not None:
         apply_predictors(model, *run)
-    cut = sparsity_to_run(model.config, path, sparsity, method, sparsity_file, embedded=model.weights.sparsity,
-                          ffn=run is None)
+    cut = sparsity_to_run(model.weights, path, sparsity, method, sparsity_file, ffn=run is None)
     return model if cut is None else apply_sparsity(model, method, cut, ffn=run is None)

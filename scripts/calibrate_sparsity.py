@@ -9,7 +9,7 @@ import numpy as np
 
 from ref.activation_sparsity import (DEFAULT_FILE, GREEDY_TARGETS, METHODS, SITES, Thresholds, calibrate,
                                      greedy_allocation, model_sparsity, widths)
-from ref.common.artifacts import sha256_file
+from ref.common.artifacts import model_fingerprint, sha256_file
 from ref.common.cli import check_model_dir, output_file, resolve_corpus, user_errors
 from ref.common.errors import UserError
 from ref.common.progress import Progress
@@ -60,7 +60,7 @@ def main(model_dir, output, force, corpus, max_tokens, window, methods, greedy, 
                                        greedy_windows if greedy else 0, lambda n, frac: progress.update(n))
     progress.close()
     meta = {"methods": list(methods), "corpus": corpus.name, "corpus_sha256": sha256_file(corpus), "tokens": tokens,
-            "window": window}
+            "window": window, "model": model_fingerprint(model.weights)}
     th = Thresholds(tables, {}, np.zeros(0), widths(model.config), meta)
     if greedy:
         for m in methods:

@@ -36,8 +36,7 @@ def activation_table(load, windows, model_dir: Path, levels: list[float], method
     for method in methods:
         for s in levels:
             m = base()
-            cut = sparsity_to_run(m.config, model_dir, s, method, sparsity_file, allocation, m.weights.sparsity,
-                                  predictors is None)
+            cut = sparsity_to_run(m.weights, model_dir, s, method, sparsity_file, allocation, predictors is None)
             apply_sparsity(m, method, cut, ffn=predictors is None)
             ppl, _ = perplexity(m, windows(), f"{method} {s:g}")
             realised = np.nan_to_num(m.thinning.realised())  # [L, 4]

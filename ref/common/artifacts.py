@@ -237,6 +237,18 @@ def check_sparsity(sparsity: float, flag: str = "--sparsity") -> float:
     return sparsity
 
 
+def model_fingerprint(weights) -> str:
+    """A checkpoint's identity, the same in every weight format: sha256 of its shape (layers, widths, heads,
+    vocabulary) and its vectors (norms, biases) as float32, which every format stores exactly (GGUF files keep
+    them F32). A calibration records it; another model's vectors differ."""
+    c = weights.config
+    h = hashlib.sha256(repr((c.n_layers, c.d_model, c.d_ffn, c.n_heads, c.n_kv_heads, c.vocab_size)).encode())
+    for name in sorted(n for n, t in weights.tensors.items() if len(t.shape) == 1):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(upcast(weights.tensors[name]), np.float32).tobytes())
+    return h.hexdigest()[:32]
+
+
 def site_widths(cfg) -> np.ndarray:
     """Each site's input width [4]: D, H E, D, F."""
     return np.array([cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.d_model, cfg.d_ffn], np.int64)
@@ -247,7 +259,8 @@ class Thresholds:
     where greedy allocation ran, each block's site sparsities for targets on its grid (greedy [G, L, 4]).
 
     sparsity.safetensors: `{method}.table` float32 [L, 4, N], `{method}.greedy` float32 [G, L, 4] (optional),
-    `greedy_targets` float32 [G], `widths` int64 [4]; metadata: methods, corpus, corpus_sha256, tokens."""
+    `greedy_targets` float32 [G], `widths` int64 [4]; metadata: methods, corpus, corpus_sha256, tokens, and `model`:
+    the model_fingerprint of the model calibrated."""
 
     def __init__(self, tables: dict, greedy: dict, targets: np.ndarray, site_widths: np.ndarray, metadata: dict):
         self.tables, self.greedy, self.targets = tables, greedy, targets
@@ -282,13 +295,20 @@ class Thresholds:
                 out[l, s] = np.interp(levels[l, s], LEVELS, table[l, s]) if levels[l, s] > 0 else 0.0
         return out
 
-    def check(self, cfg, method: str, path) -> None:
-        """This calibration must be of a model with cfg's layers and widths, and hold `method`."""
+    def check(self, weights, method: str | None, path, own: bool = False) -> None:
+        """This calibration must be of the model of `weights` (ref.common.weights.Weights): its layers and widths,
+        and unless it is the checkpoint's `own` (a GGUF file's), its model_fingerprint; and hold `method` if given."""
+        cfg = weights.config
         L = next(iter(self.tables.values())).shape[0]
         if L != cfg.n_layers or not np.array_equal(self.widths, site_widths(cfg)):
             raise UserError(f"{path}: thresholds for {L} layers of site widths {self.widths.tolist()}, the model has "
                             f"{cfg.n_layers} of {site_widths(cfg).tolist()} (a file of another model?)")
-        if method not in self.tables:
+        if not own and self.metadata.get("model") != model_fingerprint(weights):
+            raise UserError(f"{path}: thresholds calibrated for " + (
+                f"another model (fingerprint {self.metadata['model']}, this model's {model_fingerprint(weights)})"
+                if "model" in self.metadata else "an unnamed model (a file without its model's fingerprint)")
+                + f"; calibrate this one: python scripts/calibrate_sparsity.py {weights.source or 'MODEL'}")
+        if method is not None and method not in self.tables:
             raise UserError(f"--sparsity-method {method}: {path} was calibrated for {', '.join(self.tables)} "
                             f"(scripts/calibrate_sparsity.py --methods {method})")
 

@@ -23,7 +23,7 @@ def ref_logits(method, fmt, sparsity=0.5, predictors=None, path=SHIPPED):
     if fmt != "f16":
         model = quantize_model(model, fmt)
     ffn = predictors is None
-    apply_sparsity(model, method, sparsity_to_run(model.config, path, sparsity, method, ffn=ffn), ffn=ffn)
+    apply_sparsity(model, method, sparsity_to_run(model.weights, path, sparsity, method, ffn=ffn), ffn=ffn)
     return model.logits(IDS)
 
 
@@ -125,7 +125,9 @@ BAD = [(["--sparsity", "1"], "--sparsity must be in [0, 1), got 1"),
        (["--sparsity", "-0.1"], "--sparsity must be in [0, 1), got -0.1"),
        (["--sparsity", "0.4", "--sparsity-file", "/nonexistent.safetensors"], "/nonexistent.safetensors not found"),
        (["--sparsity", "0.4", "--sparsity-file", "OTHER"], "a file of another model"),
-       (["--sparsity", "0.4", "--sparsity-method", "wina", "--sparsity-file", "OTHER"], "another model")]
+       (["--sparsity", "0.4", "--sparsity-method", "wina", "--sparsity-file", "OTHER"], "another model"),
+       (["--sparsity", "0.4", "--sparsity-file", str(SHIPPED_SILU / DEFAULT_FILE)],  # the twin's: the same shapes
+        f"{SHIPPED_SILU / DEFAULT_FILE}: thresholds calibrated for another model (fingerprint ")]
 
 
 # fast.serve checks the range before it starts; a file, on its engine thread as it loads (tests/e2e)

@@ -246,11 +246,14 @@ def test_activation_sparsity_on_the_gpu_in_a_weight_format(tmp_path, fmt, method
 def test_device_gpu_runs_a_calibrated_sparsity(tiny, tmp_path):
     """fast.load_engine(--device gpu --sparsity S): thresholds from the file, every layer on the card."""
     from ref.activation_sparsity import LEVELS, Thresholds, apply_sparsity, sparsity_to_run
+    from ref.common.artifacts import model_fingerprint
     d, cfg, _ = tiny
     table = np.broadcast_to(LEVELS, (2, 4, len(LEVELS))).astype(np.float32)  # threshold = level
-    Thresholds({"wina": table}, {}, np.zeros(0), np.array([8, 8, 8, 12]), {}).save(tmp_path / "s.safetensors")
+    weights = ref.load_model(d).weights
+    Thresholds({"wina": table}, {}, np.zeros(0), np.array([8, 8, 8, 12]),
+               {"model": model_fingerprint(weights)}).save(tmp_path / "s.safetensors")
     e = fast.load_engine(d, device="gpu", vram_budget=0.5, sparsity=0.4, sparsity_method="wina",
                          sparsity_file=tmp_path / "s.safetensors")
     assert e.n_gpu_layers == 2 and all(G.gate_up_t is not None for G in e.gpu_layers)
-    cut = sparsity_to_run(cfg, d, 0.4, "wina", tmp_path / "s.safetensors")
+    cut = sparsity_to_run(weights, d, 0.4, "wina", tmp_path / "s.safetensors")
     assert_close(e.logits(IDS), apply_sparsity(ref.load_model(d), "wina", cut).logits(IDS), rtol=1e-4)

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from ref import activation_sparsity as A
+from ref.common.artifacts import model_fingerprint
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.model import Model, ffn_activation
 from ref.profile import corpus_windows
 from ref.quant import Quantized, Transposed, quantize_model
 from ref.sparse import load_model
-from tests.helpers import ROOT, SHIPPED, assert_close
+from tests.helpers import ROOT, SHIPPED, SHIPPED_SILU, assert_close
 
 IDS = [1, 45, 300, 12, 99, 7, 1000, 5, 8, 77, 31, 2000]
 
@@ -23,7 +24,8 @@ def calibrated(shipped_tokenizer):
     tables, tokens, _ = A.calibrate(model, corpus_windows(shipped_tokenizer, ROOT / "data/corpus/train.txt", 256, 4096),
                                     A.METHODS)
     assert tokens == 4096
-    return A.Thresholds(tables, {}, np.zeros(0), A.widths(model.config), {"tokens": tokens})
+    return A.Thresholds(tables, {}, np.zeros(0), A.widths(model.config),
+                        {"tokens": tokens, "model": model_fingerprint(model.weights)})
 
 
 def test_sparsity_zero_is_the_dense_model_exactly():
@@ -134,20 +136,38 @@ def test_the_thresholds_file_round_trips_and_refuses_another_model(calibrated, t
     for m in A.METHODS:
         assert np.array_equal(back.tables[m], calibrated.tables[m])
     from ref.common.config import shape_config
-    other = shape_config("tinyllama-1.1b")
+    from ref.common.weights import Weights
     with pytest.raises(UserError, match="another model"):
-        A.sparsity_to_run(other, tmp_path, 0.4, "teal", path)
-    only_teal = A.Thresholds({"teal": calibrated.tables["teal"]}, {}, np.zeros(0), calibrated.widths, {})
+        A.sparsity_to_run(Weights(shape_config("tinyllama-1.1b"), {}), tmp_path, 0.4, "teal", path)
+    only_teal = A.Thresholds({"teal": calibrated.tables["teal"]}, {}, np.zeros(0), calibrated.widths,
+                             calibrated.metadata)
     only_teal.save(tmp_path / "teal.safetensors")
-    cfg = Model.load(SHIPPED).config
+    weights = Model.load(SHIPPED).weights
     with pytest.raises(UserError, match="calibrated for teal"):
-        A.sparsity_to_run(cfg, tmp_path, 0.4, "wina", tmp_path / "teal.safetensors")
+        A.sparsity_to_run(weights, tmp_path, 0.4, "wina", tmp_path / "teal.safetensors")
     with pytest.raises(UserError, match=r"\[0, 1\)"):
-        A.sparsity_to_run(cfg, tmp_path, 1.0, "teal", path)
+        A.sparsity_to_run(weights, tmp_path, 1.0, "teal", path)
     (tmp_path / "uncalibrated").mkdir()
     with pytest.raises(UserError, match="calibrate the model first"):
-        A.sparsity_to_run(cfg, tmp_path / "uncalibrated", 0.4, "teal")
+        A.sparsity_to_run(weights, tmp_path / "uncalibrated", 0.4, "teal")
     bad = A.Thresholds({"teal": calibrated.tables["teal"][:, :, ::-1].copy()}, {}, np.zeros(0), calibrated.widths, {})
     bad.save(tmp_path / "bad.safetensors")
     with pytest.raises(UserError, match="not increasing"):
         A.Thresholds.load(tmp_path / "bad.safetensors")
+
+
+def test_a_calibration_names_its_model_in_every_format(calibrated, tmp_path):
+    """The twin's thresholds (the same layers and widths) are refused on the shipped model by the fingerprint of its
+    vectors; the shipped model's fit it in q4_0 too (its norms stored exactly); a file that names no model is
+    refused."""
+    relu, silu = Model.load(SHIPPED).weights, Model.load(SHIPPED_SILU).weights
+    assert model_fingerprint(relu) != model_fingerprint(silu)
+    assert model_fingerprint(quantize_model(Model.load(SHIPPED), "q4_0").weights) == model_fingerprint(relu)
+    twin = A.Thresholds.load(SHIPPED_SILU / A.DEFAULT_FILE)
+    with pytest.raises(UserError, match="thresholds calibrated for another model"):
+        twin.check(relu, "teal", SHIPPED_SILU / A.DEFAULT_FILE)
+    twin.check(silu, "teal", SHIPPED_SILU / A.DEFAULT_FILE)
+    A.Thresholds.load(SHIPPED / A.DEFAULT_FILE).check(relu, "teal", SHIPPED / A.DEFAULT_FILE)
+    unnamed = A.Thresholds(calibrated.tables, {}, np.zeros(0), calibrated.widths, {"tokens": 1})
+    with pytest.raises(UserError, match="an unnamed model"):
+        unnamed.check(relu, "teal", "x.safetensors")
