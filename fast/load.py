@@ -22,12 +22,16 @@ from ref.activation_sparsity import sparsity_to_run
 from ref.sparse import EMBEDDED, predictors_to_run
 
 def say_compiling(engine) -> None:
-    """The CLIs' notice, on stderr, that the kernels for this engine's formats compile now (they are cached after)."""
+    """The CLIs' notice, on stderr, that kernels for this engine's combination of formats compile now (cached after:
+    the first run compiles most of them, about a minute on a quiet 2-core machine; another combination adds 20 to
+    40 s)."""
     sel = engine.selector
-    what = f"{engine.format.name} weights"
+    what = [f"{engine.format.name} weights"]
     if sel.predicts:
-        what += f" and {'/'.join(f.name for f in sel.formats)} predictors"
-    click.echo(f"compiling kernels for {what} (once for these formats; about a minute on 2 cores)...", err=True)
+        what.append(f"{'/'.join(f.name for f in sel.formats)} predictors")
+    what.append(f"a {'/'.join(engine.kv_types)} KV cache")
+    click.echo(f"compiling kernels for {', '.join(what)} (once per combination of formats: up to a minute on 2 quiet "
+               "cores, more on busy ones)...", err=True)
 
 
 DEVICES = ("cpu", "gpu", "hybrid")

@@ -26,7 +26,7 @@ def perplexity(model: Model, windows, label: str = "eval") -> tuple[float, int]:
     return float(np.exp(nll / max(n, 1))), n
 
 
-def measure_predictors(model: Model, windows) -> list[dict]:
+def measure_predictors(model: Model, windows, label: str = "measure") -> list[dict]:
     """Per layer, on these tokens: recall and precision of the predicted set, predicted and fired fractions.
 
     `model` carries predictors (`apply_predictors`). Runs the predictor-gated model (so every layer sees the inputs it
@@ -46,7 +46,7 @@ def measure_predictors(model: Model, windows) -> list[dict]:
 
     model.ffn_block = SparseFFN(model, choose)
     try:
-        run_corpus(model, windows, "measure", None)
+        run_corpus(model, windows, label)
     finally:
         model.ffn_block = saved
     return [{"layer": l, "recall": tp[l] / max(nfired[l], 1), "precision": tp[l] / max(npred[l], 1),

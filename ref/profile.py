@@ -67,8 +67,9 @@ def window_size(window: int | None, cfg) -> int:
 
 
 def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = None):
-    """Yield (ids [<= window], fraction of the file read): the corpus' token stream (`corpus_tokens`) cut into
-    windows of `window` tokens, at most `max_tokens` in all."""
+    """Yield (ids [<= window], fraction done): the corpus' token stream (`corpus_tokens`) cut into windows of
+    `window` tokens, at most `max_tokens` in all; done is the share of the file read, or of max_tokens sent where
+    that is larger (whichever ends the stream first), so that a progress line's ETA is the run's."""
     buf: list[int] = []
     sent, lo = 0, 0.0
     for ids, hi in corpus_tokens(tokenizer, path):
@@ -76,8 +77,9 @@ def corpus_windows(tokenizer, path: Path, window: int, max_tokens: int | None = 
         while len(buf) >= window or (hi >= 1.0 and buf):
             n = min(window, len(buf), max_tokens - sent if max_tokens is not None else window)
             left = len(buf) - n  # tokens of this read not yet sent: the fraction read, pro rata
-            yield np.asarray(buf[:n], dtype=np.int64), hi - (hi - lo) * min(left / max(len(ids), 1), 1.0)
+            read = hi - (hi - lo) * min(left / max(len(ids), 1), 1.0)
             sent += n
+            yield np.asarray(buf[:n], dtype=np.int64), max(read, sent / max_tokens if max_tokens else 0.0)
             del buf[:n]
             if max_tokens is not None and sent >= max_tokens:
                 return
@@ -98,20 +100,20 @@ def observe_ffn(model: Model, observer) -> Model:
     return model
 
 
-def run_corpus(model: Model, windows, label: str, total_tokens: int | None) -> int:
-    """Run every window through the model (fresh cache each); returns the tokens seen."""
-    progress = Progress(label, total_tokens or 1.0)
+def run_corpus(model: Model, windows, label: str) -> int:
+    """Run every window (corpus_windows) through the model (fresh cache each); returns the tokens seen."""
+    progress = Progress(label, 1.0)
     tokens = 0
     for ids, frac in windows:
         cache = model.new_cache(len(ids))
         model.forward(Batch.single(ids, cache), cache)
         tokens += len(ids)
-        progress.update(len(ids), done=tokens if total_tokens else frac)
+        progress.update(len(ids), done=frac)
     progress.close()
     return tokens
 
 
-def profile_activations(model: Model, windows, total_tokens: int | None = None) -> tuple[np.ndarray, int]:
+def profile_activations(model: Model, windows) -> tuple[np.ndarray, int]:
     """Per-layer firing counts [L, F] int64 and the number of tokens profiled."""
     c = model.config
     counts = np.zeros((c.n_layers, c.d_ffn), dtype=np.int64)  # [L, F]
@@ -122,7 +124,7 @@ def profile_activations(model: Model, windows, total_tokens: int | None = None) 
     saved = model.ffn_block
     observe_ffn(model, count)
     try:
-        tokens = run_corpus(model, windows, "profile", total_tokens)
+        tokens = run_corpus(model, windows, "profile")
     finally:
         model.ffn_block = saved
     return counts, tokens
@@ -168,7 +170,7 @@ class Reservoir:
         return self.h[l, :n], np.unpackbits(self.bits[l, :n], axis=-1, count=self.d_ffn).astype(bool)
 
 
-def collect_samples(model: Model, windows, capacity: int, seed: int = 0, total_tokens: int | None = None) -> Reservoir:
+def collect_samples(model: Model, windows, capacity: int, seed: int = 0) -> Reservoir:
     """Sample (FFN-block input before the norm, fired mask) pairs per layer over a corpus."""
     c = model.config
     res = Reservoir(c.n_layers, c.d_model, c.d_ffn, capacity, seed)
@@ -181,7 +183,7 @@ def collect_samples(model: Model, windows, capacity: int, seed: int = 0, total_t
     saved = model.ffn_block
     observe_ffn(model, lambda l, h, mask: res.add(l, h, mask))
     try:
-        run_corpus(model, windows_with_slots(), "collect", total_tokens)
+        run_corpus(model, windows_with_slots(), "collect")
     finally:
         model.ffn_block = saved
     return res

@@ -31,14 +31,15 @@ def activation_table(load, windows, model_dir: Path, levels: list[float], method
         m = load()
         return m if predictors is None else apply_predictors(m, Predictors.load(predictors, m.config))
 
-    ppl_dense, n = perplexity(base(), windows(), "dense")
+    passes = 1 + len(methods) * len(levels)
+    ppl_dense, n = perplexity(base(), windows(), f"dense (pass 1 of {passes})")
     rows = []
     for method in methods:
         for s in levels:
             m = base()
             cut = sparsity_to_run(m.weights, model_dir, s, method, sparsity_file, allocation, predictors is None)
             apply_sparsity(m, method, cut, ffn=predictors is None)
-            ppl, _ = perplexity(m, windows(), f"{method} {s:g}")
+            ppl, _ = perplexity(m, windows(), f"{method} {s:g} (pass {len(rows) + 2} of {passes})")
             realised = np.nan_to_num(m.thinning.realised())  # [L, 4]
             rows.append({"method": method, "sparsity": s, "perplexity": ppl,
                          "model_sparsity": model_sparsity(m, method, realised),
@@ -107,12 +108,12 @@ def main(model_dir, predictors, corpus, max_tokens, window, predictor_threshold,
             json_file.write_text(json.dumps(table, indent=2) + "\n")
         return
 
-    ppl_dense, n = perplexity(load(), windows(), "dense")
-    ppl_oracle, _ = perplexity(apply_oracle(load()), windows(), "oracle")
+    ppl_dense, n = perplexity(load(), windows(), "dense (pass 1 of 4)")
+    ppl_oracle, _ = perplexity(apply_oracle(load()), windows(), "oracle (pass 2 of 4)")
     loaded = Predictors.load(predictors, load().config)
     sparse = apply_predictors(load(), loaded if pfmt is None else quantize_predictors(loaded, pfmt), predictor_threshold)
-    ppl_pred, _ = perplexity(sparse, windows(), "predictor")
-    layers = measure_predictors(sparse, windows())
+    ppl_pred, _ = perplexity(sparse, windows(), "predictor (pass 3 of 4)")
+    layers = measure_predictors(sparse, windows(), "recall (pass 4 of 4)")
 
     click.echo(f"{n:,} tokens of {corpus}; weights {fmt.name if fmt else 'as stored'}; "
                f"predictors {pfmt.name if pfmt else 'as saved'}")

@@ -85,8 +85,8 @@ def main(shape, tokens, samples, window):
         windows = lambda: ((rng.integers(0, cfg.vocab_size, window), (i + 1) * window / tokens)  # noqa: E731
                            for i in range(tokens // window))
         t0 = time.time()
-        profile_activations(model, windows(), tokens)
-        res = collect_samples(model, windows(), samples, 0, tokens)
+        profile_activations(model, windows())
+        res = collect_samples(model, windows(), samples, 0)
         watch.running = False
         watch.join()
         reservoir = res.h.nbytes + res.bits.nbytes

@@ -60,7 +60,7 @@ def main(model_dir, corpus, max_tokens, window, output, force, plot_file):
     corpus = resolve_corpus(corpus, "train.txt")
     model, tok = Model.load(model_dir), load_tokenizer(model_dir)
     window = window_size(window, model.config)
-    counts, tokens = profile_activations(model, corpus_windows(tok, corpus, window, max_tokens), max_tokens)
+    counts, tokens = profile_activations(model, corpus_windows(tok, corpus, window, max_tokens))
     save_activations(output, counts, tokens, corpus, model_dir)
     print_table(firing_stats(counts, tokens))
     click.echo(f"{tokens:,} tokens profiled; wrote {output}")

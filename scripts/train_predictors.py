@@ -45,7 +45,7 @@ def main(model_dir, corpus, max_tokens, window, samples, sample_memory, target_r
     capacity = max(1, min(samples, int(sample_memory * 2**30) // per))
     click.echo(f"reservoir: room for {capacity:,} tokens x {c.n_layers} layers ({capacity * per / 2**30:.2f} GiB)")
     window = window_size(window, c)
-    res = collect_samples(model, corpus_windows(tok, corpus, window, max_tokens), capacity, seed, max_tokens)
+    res = collect_samples(model, corpus_windows(tok, corpus, window, max_tokens), capacity, seed)
     kept = min(res.seen, res.capacity)
     click.echo(f"sampled {kept:,} of the corpus' {res.seen:,} tokens per layer")
     settings = TrainSettings(target_recall=target_recall, budget_fraction=budget, epochs=epochs, pos_weight=pos_weight,

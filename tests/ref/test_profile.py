@@ -70,6 +70,16 @@ def test_corpus_windows_stream_whole_text(setup):
     assert sum(len(w) for w, _ in corpus_windows(tok, corpus, 32, max_tokens=100)) == 100
 
 
+def test_a_capped_runs_progress_is_its_share_of_the_cap(setup, monkeypatch):
+    """With --max-tokens under the file's tokens, the fraction done (a progress line's ETA) is the tokens sent over
+    the cap, not the share of the file read (which made a 60 s run show an hour)."""
+    import ref.profile
+    _, corpus, tok = setup
+    monkeypatch.setattr(ref.profile, "CHUNK_BYTES", 40)  # the file read a line at a time, as a large corpus is
+    done = [f for _, f in corpus_windows(tok, corpus, 32, max_tokens=100)]
+    assert done == [0.32, 0.64, 0.96, 1.0]
+
+
 @pytest.mark.parametrize("chunk", [1 << 20, 40])  # one read, and documents cut across many reads
 def test_documents_are_bos_text_eos(tmp_path, shipped_tokenizer, monkeypatch, chunk):
     """The corpus' separator is a boundary, never text: each story is BOS, its tokens, EOS, as the model was trained."""
