@@ -9,7 +9,10 @@ written in, resolved per row type when a kernel compiles (numba overloads), so e
   axpy4t / axpy2t(y, t0, ..., a0, ..., w)  y[t0] += a0 w, ...       one row into four / two tokens' outputs
   quantize_input(x, w)                 -> (xq, xd, xs): the token rows as the dot products with w read them
 
-Float formats (f32; f16 and bf16 bits decoded with `load`) read the float32 token x. Block formats (q8_0, q4_0) read
+Float formats (f32; f16 and bf16 bits decoded to float32) read the float32 token x, every dot product of them in one
+arithmetic whatever the rows and tokens it shares a call with (fast.quant.floats._float_products: a row's product with
+a token is the same bits in every kernel, so a token's result does not depend on its neighbours in a step). Block
+formats' integer sums per block are exact, hence the same in every variant. Block formats (q8_0, q4_0) read
 it rounded to Q8_0 blocks, as llama.cpp's vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0 do and ref.quant.input_values
 defines: xq int8 quants, xd float32 scales (fp16-rounded), xs each block's correction lanes (block_dot). Their dot
 products are integer sums per block, scaled and accumulated in float32 lanes: LLVM IR written here (`@intrinsic`),
@@ -30,7 +33,8 @@ from numba.extending import overload
 
 from fast.quant.blocks import (AHEAD, OFFSET, block_axpy, block_axpy2t, block_axpy4, block_axpy4t, block_dot,
                                block_dot2t, block_dot4t, q8_0_block)
-from fast.quant.floats import bf16_bits, bf16_to_f32, dot4x4, f16_bits, f16_round, f16_to_f32, load, widen
+from fast.quant.floats import (bf16_bits, bf16_to_f32, dot4x4, f16_bits, f16_round, f16_to_f32, fdot, fdot2, fdot2_2t,
+                               fdot2_4t, fdot2t, fdot4, fdot4t, load, widen)
 from fast.quant.groups import (block_dot8, block_dot8_4t, block_dot8x2_4t, block_dot8x4, run_dot, run_dot2t, run_dot4,
                                run_dot4_ahead, run_dot4t)
 from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUN_FORMATS, RUNS,
@@ -89,16 +93,7 @@ def dot4(w0, w1, w2, w3, x, xq, xd, xs):
 @overload(dot4)
 def _dot4(w0, w1, w2, w3, x, xq, xd, xs):
     if is_float(w0):
-        def floats(w0, w1, w2, w3, x, xq, xd, xs):  # four streams in one loop (fast.cpu's STREAMS)
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for k in range(x.shape[0]):
-                xk = x[k]
-                s0 += xk * load(w0, k)
-                s1 += xk * load(w1, k)
-                s2 += xk * load(w2, k)
-                s3 += xk * load(w3, k)
-            return s0, s1, s2, s3
-        return floats
+        return lambda w0, w1, w2, w3, x, xq, xd, xs: fdot4(w0, w1, w2, w3, x)  # four streams (fast.cpu's STREAMS)
     if in_runs(w0):  # reach: these rows and the next ones of their bundles
         return lambda w0, w1, w2, w3, x, xq, xd, xs: run_dot4(w0, w1, w2, w3, xq, xd, xs, np.int64(2 * w0.shape[0]))
     return lambda w0, w1, w2, w3, x, xq, xd, xs: (dot(w0, x, xq, xd, xs), dot(w1, x, xq, xd, xs), dot(w2, x, xq, xd, xs),
@@ -135,12 +130,7 @@ def dot(w, x, xq, xd, xs):
 @overload(dot)
 def _dot(w, x, xq, xd, xs):
     if is_float(w):
-        def floats(w, x, xq, xd, xs):
-            s = np.float32(0.0)
-            for k in range(x.shape[0]):
-                s += x[k] * load(w, k)
-            return s
-        return floats
+        return lambda w, x, xq, xd, xs: fdot(w, x)[0]
     if in_runs(w):
         return lambda w, x, xq, xd, xs: run_dot(w, xq, xd, xs, np.int64(2 * w.shape[0]))
     # reach: the row and whatever follows it (a matrix's next row, the next rows of a neuron's bundle), in blocks
@@ -154,16 +144,7 @@ def dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
 @overload(dot4t)
 def _dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
     if is_float(w):
-        def floats(w, x, xq, xd, xs, t0, t1, t2, t3):
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for k in range(x.shape[1]):
-                wk = load(w, k)
-                s0 += wk * x[t0, k]
-                s1 += wk * x[t1, k]
-                s2 += wk * x[t2, k]
-                s3 += wk * x[t3, k]
-            return s0, s1, s2, s3
-        return floats
+        return lambda w, x, xq, xd, xs, t0, t1, t2, t3: fdot4t(w, x[t0], x[t1], x[t2], x[t3])
     if in_runs(w):
         return lambda w, x, xq, xd, xs, t0, t1, t2, t3: run_dot4t(w, xq, xd, xs, np.int64(2 * w.shape[0]), np.int64(t0),
                                                                   np.int64(t1), np.int64(t2), np.int64(t3))
@@ -178,14 +159,7 @@ def dot2t(w, x, xq, xd, xs, t0, t1):
 @overload(dot2t)
 def _dot2t(w, x, xq, xd, xs, t0, t1):
     if is_float(w):
-        def floats(w, x, xq, xd, xs, t0, t1):
-            s0 = s1 = np.float32(0.0)
-            for k in range(x.shape[1]):
-                wk = load(w, k)
-                s0 += wk * x[t0, k]
-                s1 += wk * x[t1, k]
-            return s0, s1
-        return floats
+        return lambda w, x, xq, xd, xs, t0, t1: fdot2t(w, x[t0], x[t1])
     if in_runs(w):
         return lambda w, x, xq, xd, xs, t0, t1: run_dot2t(w, xq, xd, xs, np.int64(2 * w.shape[0]), np.int64(t0),
                                                           np.int64(t1))
@@ -203,14 +177,7 @@ def dot2(w0, w1, x, xq, xd, xs):
 @overload(dot2)
 def _dot2(w0, w1, x, xq, xd, xs):
     if is_float(w0):
-        def floats(w0, w1, x, xq, xd, xs):
-            s0 = s1 = np.float32(0.0)
-            for k in range(x.shape[0]):
-                xk = x[k]
-                s0 += load(w0, k) * xk
-                s1 += load(w1, k) * xk
-            return s0, s1
-        return floats
+        return lambda w0, w1, x, xq, xd, xs: fdot2(w0, w1, x)
     return lambda w0, w1, x, xq, xd, xs: (dot(w0, x, xq, xd, xs), dot(w1, x, xq, xd, xs))
 
 
@@ -221,17 +188,7 @@ def dot2_2t(w0, w1, x, xq, xd, xs, t0, t1):
 @overload(dot2_2t)
 def _dot2_2t(w0, w1, x, xq, xd, xs, t0, t1):
     if is_float(w0):
-        def floats(w0, w1, x, xq, xd, xs, t0, t1):
-            s0 = s1 = r0 = r1 = np.float32(0.0)
-            for k in range(x.shape[1]):
-                v, u = load(w0, k), load(w1, k)
-                x0, x1 = x[t0, k], x[t1, k]
-                s0 += v * x0
-                s1 += v * x1
-                r0 += u * x0
-                r1 += u * x1
-            return s0, s1, r0, r1
-        return floats
+        return lambda w0, w1, x, xq, xd, xs, t0, t1: fdot2_2t(w0, w1, x[t0], x[t1])
 
     def blocks(w0, w1, x, xq, xd, xs, t0, t1):
         s0, s1 = dot2t(w0, x, xq, xd, xs, t0, t1)
@@ -247,21 +204,7 @@ def dot2_4t(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
 @overload(dot2_4t)
 def _dot2_4t(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
     if is_float(w0):
-        def floats(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
-            s0 = s1 = s2 = s3 = r0 = r1 = r2 = r3 = np.float32(0.0)
-            for k in range(x.shape[1]):
-                v, u = load(w0, k), load(w1, k)
-                x0, x1, x2, x3 = x[t0, k], x[t1, k], x[t2, k], x[t3, k]
-                s0 += v * x0
-                s1 += v * x1
-                s2 += v * x2
-                s3 += v * x3
-                r0 += u * x0
-                r1 += u * x1
-                r2 += u * x2
-                r3 += u * x3
-            return s0, s1, s2, s3, r0, r1, r2, r3
-        return floats
+        return lambda w0, w1, x, xq, xd, xs, t0, t1, t2, t3: fdot2_4t(w0, w1, x[t0], x[t1], x[t2], x[t3])
 
     def blocks(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
         s0, s1, s2, s3 = dot4t(w0, x, xq, xd, xs, t0, t1, t2, t3)

@@ -79,42 +79,59 @@ def _float_lanes(builder, kind, p, n):
     return builder.bitcast(builder.shl(builder.zext(bits, _vec(I32, n)), _splat(I32, n, 16)), _vec(F32, n))
 
 
-def _transpose_sum(builder, vs):
-    """<16 x float> whose lane m is the sum of the lanes of vs[m] (16 vectors of L = 16 or 8 lanes): pairs of vectors
-    trade halves of each member's lanes and add, until a vector holds L members' sums (16 lanes: 15 shuffle pairs and
-    adds where 16 separate horizontal sums take 64)."""
+def _member_sums(builder, vs):
+    """<M x float> whose lane m is the sum of the L lanes of vs[m] (M = 1, 2, 4, 8 or 16 vectors of L = 16 or 8
+    lanes), by one tree for every M: lane k and lane k + L/2 first, then k and k + L/4 of those, ... Pairs of vectors
+    trade halves of each member's lanes and add while there are pairs (16 x 16 lanes: 15 shuffle pairs and adds
+    where 16 separate horizontal sums take 64), then one vector's members halve in place. The adds are exact IEEE
+    adds (no fast flags: LLVM may not reorder them), so a product's sum is the same bits whichever rows and tokens
+    share its call."""
     L, members = vs[0].type.count, 1
-    while members < L:
+    while members < L and len(vs) > 1:
         width = L // members  # lanes of each member of a vector at this level
         half = width // 2
         lo = [j * width + k for j in range(members) for k in range(half)]
         hi = [i + half for i in lo]
         vs = [builder.fadd(builder.shuffle_vector(a, b, _lanes(*lo, *[L + i for i in lo])),
-                           builder.shuffle_vector(a, b, _lanes(*hi, *[L + i for i in hi])), flags=("fast",))
+                           builder.shuffle_vector(a, b, _lanes(*hi, *[L + i for i in hi])))
               for a, b in zip(vs[0::2], vs[1::2])]
         members *= 2
-    return vs[0] if len(vs) == 1 else _joined(builder, vs)
+    if len(vs) > 1:  # L members of one lane each, in two vectors (16 members of 8-lane vectors)
+        return _joined(builder, vs)
+    v, width = vs[0], L // members
+    while width > 1:
+        half = width // 2
+        lo = [j * width + k for j in range(members) for k in range(half)]
+        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*lo)), builder.shuffle_vector(v, v, _lanes(*[i + half for i in lo])))
+        width = half
+    return v
 
 
-def _float_tile(rows, toks, ahead):
-    """Typing and codegen of the 4 x 4 products w_i . x_j of four float-format rows and four float32 tokens
-    (contiguous, of one length), lane 4 i + j of the result: each row and token vector loaded once per step for all
-    its products, 16 accumulators of target.FLOAT_LANES lanes (16, zmm, where the CPU has AVX-512: numba's
-    loop vectoriser stops at 8), summed together (_transpose_sum). Each step also hints the same offset of the
-    `ahead` rows (the rows the caller reads next) into L2: with 8 tokens a 4 x 4 tile reads its rows twice, and
-    without the hints the bus idled through the second pass (into L1 the hints evicted the tokens)."""
+def _float_products(rows, toks, ahead=()):
+    """Typing and codegen of the products w_i . x_j of R float-format rows and J float32 tokens (contiguous, of one
+    length; R J = 1 to 16), member m = J i + j of the result: each row and token vector loaded once per step for all
+    its products, one accumulator of target.FLOAT_LANES lanes per product (16, zmm, where the CPU has AVX-512:
+    numba's loop vectoriser stops at 8) fused-multiply-added element k into lane k % L, the lanes summed by
+    _member_sums, then the last K % L elements fused into the sum one by one, in order. Every float product of
+    fast.quant is this arithmetic whatever R and J, so a row's product with a token is the same bits in a matrix
+    product of one token or of many (what makes a token's result independent of its neighbours). Each step also
+    hints the same offset of the `ahead` rows (the rows the caller reads next) into L2: with 8 tokens a 4 x 4 tile
+    reads its rows twice, and without the hints the bus idled through the second pass (into L1 the hints evicted
+    the tokens)."""
     kind = float_kind(rows[0].dtype)
     if (kind is None or any(r.dtype != rows[0].dtype for r in rows) or any(x.dtype != types.float32 for x in toks)
-            or any(a.ndim != 1 or a.layout != "C" for a in rows + toks)):
+            or any(a.ndim != 1 or a.layout != "C" for a in rows + toks + ahead)):
         return None
-    size, L = (4 if kind == "f32" else 2), target.FLOAT_LANES
-    ret = types.UniTuple(types.float32, 16)
+    R, J, A = len(rows), len(toks), len(ahead)
+    M, size, L = R * J, (4 if kind == "f32" else 2), target.FLOAT_LANES
+    ret = types.UniTuple(types.float32, M)
 
     def codegen(context, builder, sig, args):
         arrays = [context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args)]
-        K = cgutils.unpack_tuple(builder, arrays[4].shape)[0]
-        wp, xp, pp = ([builder.bitcast(a.data, I8.as_pointer()) for a in arrays[k:k + 4]] for k in (0, 4, 8))
-        zero = ir.Constant(_vec(F32, 16), [0.0] * 16)
+        K = cgutils.unpack_tuple(builder, arrays[R].shape)[0]
+        wp, xp, pp = ([builder.bitcast(a.data, I8.as_pointer()) for a in arrays[k:k + n]]
+                      for k, n in ((0, R), (R, J), (R + J, A)))
+        zero = ir.Constant(_vec(F32, M), [0.0] * M)
 
         def lanes(k, n):  # elements k .. k + n - 1 of each row and token
             return ([_float_lanes(builder, kind, builder.gep(p, [builder.mul(k, I64(size))]), n) for p in wp],
@@ -125,38 +142,80 @@ def _float_tile(rows, toks, ahead):
             for p in pp:  # the lines of the rows to come, at this step's offset
                 _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(p, [builder.mul(s, I64(L * size))]),
                       I32(0), I32(2), I32(1))
-            for m in range(16):
-                fma = _call(builder, f"llvm.fma.v{L}f32", _vec(F32, L), wv[m // 4], xv[m % 4],
+            for m in range(M):
+                fma = _call(builder, f"llvm.fma.v{L}f32", _vec(F32, L), wv[m // J], xv[m % J],
                             builder.extract_value(accs, m))
                 accs = builder.insert_value(accs, fma, m)
             return accs
 
-        def element(k, acc):  # one of the last K % L elements: lane m += w_(m / 4)[k] x_(m % 4)[k]
+        def element(k, acc):  # one of the last K % L elements: lane m += w_(m / J)[k] x_(m % J)[k]
             w1, x1 = lanes(k, 1)
-            wv, xv = ir.Constant(_vec(F32, 16), None), ir.Constant(_vec(F32, 16), None)
-            for m in range(16):
-                wv = builder.insert_element(wv, builder.extract_element(w1[m // 4], I32(0)), I32(m))
-                xv = builder.insert_element(xv, builder.extract_element(x1[m % 4], I32(0)), I32(m))
-            return _call(builder, "llvm.fma.v16f32", _vec(F32, 16), wv, xv, acc)
+            wv, xv = ir.Constant(_vec(F32, M), None), ir.Constant(_vec(F32, M), None)
+            for m in range(M):
+                wv = builder.insert_element(wv, builder.extract_element(w1[m // J], I32(0)), I32(m))
+                xv = builder.insert_element(xv, builder.extract_element(x1[m % J], I32(0)), I32(m))
+            return _call(builder, f"llvm.fma.v{M}f32", _vec(F32, M), wv, xv, acc)
 
         steps = builder.sdiv(K, I64(L))
         acc0 = ir.Constant(_vec(F32, L), [0.0] * L)
-        accs = _block_loop(builder, steps, ir.Constant(ir.LiteralStructType([acc0.type] * 16), [acc0] * 16), step)
-        sums = _transpose_sum(builder, [builder.extract_value(accs, m) for m in range(16)])
+        accs = _block_loop(builder, steps, ir.Constant(ir.LiteralStructType([acc0.type] * M), [acc0] * M), step)
+        sums = _member_sums(builder, [builder.extract_value(accs, m) for m in range(M)])
         first = builder.mul(steps, I64(L))
         tail = _block_loop(builder, builder.sub(K, first), zero, lambda i, a: element(builder.add(first, i), a))
-        sums = builder.fadd(sums, tail, flags=("fast",))
-        return context.make_tuple(builder, ret, [builder.extract_element(sums, I32(m)) for m in range(16)])
+        sums = builder.fadd(sums, tail)
+        return context.make_tuple(builder, ret, [builder.extract_element(sums, I32(m)) for m in range(M)])
     return ret(*rows, *toks, *ahead), codegen
 
 
 @intrinsic
 def dot4x4(typingctx, w0, w1, w2, w3, x0, x1, x2, x3, p0, p1, p2, p3):
     """The 16 products w_i . x_j of four float-format rows and four float32 tokens, in the order i = 0 (j = 0..3),
-    i = 1, ..., hinting rows p0..p3 into L2 on the way (_float_tile). Unpack the result by name: a tuple indexed in a
-    loop leaves registers. Against numba's loop (8 lanes, 16 horizontal sums): [4, 2048] x [32000, 2048] f16 3.9
-    -> 2.6 ms."""
-    return _float_tile((w0, w1, w2, w3), (x0, x1, x2, x3), (p0, p1, p2, p3))
+    i = 1, ..., hinting rows p0..p3 into L2 on the way (_float_products). Unpack the result by name: a tuple indexed
+    in a loop leaves registers. Against numba's loop (8 lanes, 16 horizontal sums): [4, 2048] x [32000, 2048] f16
+    3.9 -> 2.6 ms."""
+    return _float_products((w0, w1, w2, w3), (x0, x1, x2, x3), (p0, p1, p2, p3))
+
+
+@intrinsic
+def fdot(typingctx, w, x):
+    """(w . x,) for a float-format row and a float32 token (_float_products' arithmetic)."""
+    return _float_products((w,), (x,))
+
+
+@intrinsic
+def fdot2(typingctx, w0, w1, x):
+    """(w0 . x, w1 . x) (_float_products' arithmetic)."""
+    return _float_products((w0, w1), (x,))
+
+
+@intrinsic
+def fdot4(typingctx, w0, w1, w2, w3, x):
+    """(w0 . x, ..., w3 . x) (_float_products' arithmetic)."""
+    return _float_products((w0, w1, w2, w3), (x,))
+
+
+@intrinsic
+def fdot2t(typingctx, w, x0, x1):
+    """(w . x0, w . x1) (_float_products' arithmetic)."""
+    return _float_products((w,), (x0, x1))
+
+
+@intrinsic
+def fdot4t(typingctx, w, x0, x1, x2, x3):
+    """(w . x0, ..., w . x3) (_float_products' arithmetic)."""
+    return _float_products((w,), (x0, x1, x2, x3))
+
+
+@intrinsic
+def fdot2_2t(typingctx, w0, w1, x0, x1):
+    """(w0 . x0, w0 . x1, w1 . x0, w1 . x1) (_float_products' arithmetic)."""
+    return _float_products((w0, w1), (x0, x1))
+
+
+@intrinsic
+def fdot2_4t(typingctx, w0, w1, x0, x1, x2, x3):
+    """(w0 . x0, ..., w0 . x3, w1 . x0, ..., w1 . x3) (_float_products' arithmetic)."""
+    return _float_products((w0, w1), (x0, x1, x2, x3))
 
 
 @intrinsic

@@ -31,15 +31,21 @@ def generating(monkeypatch, request, **settings):
 
 
 def forget_intrinsic_code(module):
-    """Drop numba's typing cache of the module's intrinsics, which keeps each one's codegen per argument types for the
-    process: without it every ISA after the first reused the first one's code."""
-    from numba.core.extending import _Intrinsic
+    """Drop numba's typing caches of the module's intrinsics and overloads (the row operations), which keep each
+    one's codegen or compiled implementation per argument types for the process: without it every ISA or vector
+    width after the first reused the first one's code."""
+    from numba.core import types
     from numba.core.registry import cpu_target
 
     context = cpu_target.typing_context
     context.refresh()
     for obj in vars(module).values():
-        if isinstance(obj, _Intrinsic):
-            for template in context.resolve_value_type(obj).templates:
-                template._impl_cache.clear()
-                template._overload_cache.clear()
+        if not callable(obj):
+            continue
+        try:
+            typ = context.resolve_value_type(obj)
+        except ValueError:  # a plain Python function: nothing compiled
+            continue
+        for template in typ.templates if isinstance(typ, types.Function) else ():
+            template._impl_cache.clear()
+            getattr(template, "_overload_cache", {}).clear()

@@ -560,6 +560,10 @@ def case_id(name, shape, sim=False):
     return f"{name}-{'-'.join(map(str, shape.values()))}"
 
 
+KV_UNIT = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}  # a KV format's relative rounding step
+COMPUTES_KV = {"decode_attention_block"}  # cases whose kernel computes the keys and values it stores in `kv`
+
+
 def check_kernel(module, name, shape, rtol=1e-5, seed=None):
     """Run `module.<name>` and its ref twin on fresh random inputs; compare with the one tolerance helper (exactly
     where ref's answer is integers: neuron ids)."""
@@ -568,5 +572,7 @@ def check_kernel(module, name, shape, rtol=1e-5, seed=None):
     run, want = CASES[name](rng, **shape)
     got = run(module)
     exact = np.issubdtype(np.asarray(want).dtype, np.integer)
+    if name in COMPUTES_KV:  # a key or value that float32 and ref's float64 round to either side of a tie in a KV
+        rtol = max([rtol, *(KV_UNIT[f] for f in shape.get("kv", ()))])  # format: the format's error, not the kernel's
     # atol: inputs are O(1), so float32 sums carry ~1e-6 absolute error even where a result is near 0 by cancellation
     assert_close(got, want, rtol=0 if exact else rtol, atol=0 if exact else 1e-5, name=f"{module.__name__}.{name}{shape}")

@@ -141,3 +141,25 @@ def test_input_rounding_is_exact_inside_fastmath_kernels():
     want = quantize_q8_0(near.reshape(-1, 32))[:, 2:].view(np.int8).reshape(8, 256)
     w = blocks(quantize(np.zeros((1, 256), np.float32), "q8_0"))[0]
     assert np.array_equal(quants(near, w), want)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+def test_a_tokens_product_is_the_same_bits_beside_any_others(fmt):
+    """cpu.matmul's row for a token, with 1 to 9 tokens in the call (one at a time, four-token tiles, the tokens left
+    over) and rows left over from the streams: the same bits as the token alone, so that a token's result does not
+    depend on its neighbours in a step."""
+    import numpy as np
+
+    from fast.quant import for_matmul
+    from ref.quant import blocks, quantize
+    rng = np.random.default_rng()
+    N, K = 203, 100 if fmt in ("f32", "f16", "bf16") else 96  # a float row's vector tail; whole blocks
+    w = for_matmul(blocks(quantize(rng.standard_normal((N, K)).astype(np.float32), fmt)))
+    x = rng.standard_normal((9, K)).astype(np.float32)
+    alone = np.empty((9, N), np.float32)
+    for t in range(9):
+        cpu.matmul(alone[t:t + 1], x[t:t + 1], w)
+    for T in range(2, 10):
+        out = np.empty((T, N), np.float32)
+        cpu.matmul(out, x[:T], w)
+        np.testing.assert_array_equal(out, alone[:T], err_msg=f"{T} tokens")

@@ -195,3 +195,37 @@ def test_float_tiles_in_every_width(monkeypatch, request, lanes, fmt, K):
     x = rng.standard_normal((4, K)).astype(np.float32)
     want = values(w).astype(np.float64) @ x.astype(np.float64).T  # [4 rows, 4 tokens]
     np.testing.assert_allclose(np.array(tile(w, x)), want.ravel(), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# Which (rows, tokens) of laid_out's w [8, K] and x [T, K] each float product variant of `operation` takes, in its
+# results' order (row-major: row i's tokens, then row i + 1's)
+PAIRS = {"dot2": ([1, 2], [0]), "dot4": ([3, 0, 2, 1], [0]), "dot4_ahead": ([3, 0, 2, 1], [0]), "dot2t": ([0], [3, 0]),
+         "dot4t": ([2], [4, 0, 2, 1]), "dot2_2t": ([1, 2], [3, 0]), "dot2_4t": ([1, 2], [4, 0, 2, 1]),
+         "dot4x4": ([0, 1, 2, 3], [0, 1, 2, 3])}
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+def test_float_products_are_one_arithmetic(monkeypatch, request, lanes, fmt):
+    """Every float dot product variant gives each (row, token) the bits `dot` gives it, with a tail and without: a
+    row's product with a token does not depend on the rows and tokens it shares a call with, so neither does a
+    token's result on its neighbours in a step (block formats' integer sums are exact anyway)."""
+    q = generating(monkeypatch, request, FLOAT_LANES=lanes)
+
+    @njit
+    def each_dot(w, x):
+        xq, xd, xs = q.quantize_input(x, w)
+        out = np.empty((w.shape[0], x.shape[0]), np.float32)
+        for r in range(w.shape[0]):
+            for t in range(x.shape[0]):
+                out[r, t] = q.dot(w[r], x[t], xq[t], xd[t], xs[t])
+        return out
+
+    rng = np.random.default_rng()
+    for K in (45, 160, 7):
+        b = blocks(quantize(rng.standard_normal((8, K)).astype(np.float32), FORMATS[fmt]))
+        x = (rng.standard_normal((T, K)) * 3).astype(np.float32)
+        single = each_dot(b, x)  # [8, T]
+        for op, (rows, toks) in PAIRS.items():
+            got = operation(q, op)(b, x, np.zeros_like(x))[:len(rows) * len(toks)]
+            np.testing.assert_array_equal(got, single[rows][:, toks].ravel(), err_msg=f"{op} K={K}")
