@@ -134,7 +134,7 @@ def create_app(server: Server):
 
     def require_ready():
         if sched.failed is not None:
-            raise ApiError(500, f"the model failed to load: {sched.failed}", "server_error")
+            raise ApiError(500, str(load_failure(sched.failed)), "server_error")
         if not sched.ready.is_set():
             raise ApiError(503, "the model is loading", "unavailable_error")
 

@@ -334,3 +334,13 @@ def test_a_templates_loops_end_in_a_400_while_the_server_answers(tmp_path):
     finally:
         if s.proc.poll() is None:
             s.stop()
+
+
+def test_a_failed_load_names_its_reason():
+    """numba's NotImplementedError has no text: the line names the exception's type (it said 'failed: ' alone)."""
+    from fast.serve import load_failure
+    from ref.common.errors import UserError
+    assert str(load_failure(NotImplementedError())) == "loading the model failed: NotImplementedError"
+    assert str(load_failure(ValueError("bad shape"))) == "loading the model failed: ValueError: bad shape"
+    e = UserError("m.gguf: not a GGUF file")
+    assert load_failure(e) is e
