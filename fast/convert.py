@@ -104,8 +104,8 @@ def main(model, out, type_, predictors, dense, force):
     beside = None if from_gguf else model / DEFAULT_SPARSITY_FILE
     # a PowerInfer file carries the model's activation-sparsity calibration (llama.cpp refuses unknown tensors)
     sparsity = None if dense else Thresholds.load(beside) if beside is not None and beside.is_file() else w.sparsity
-    if sparsity is not None:
-        sparsity.check(w, None, beside if sparsity is not w.sparsity else model, own=sparsity is w.sparsity)
+    if sparsity is not None and sparsity is not w.sparsity:  # a file beside the folder: this model's calibration?
+        sparsity.check(w, None, beside)
     pred = None
     if not dense:
         own = w.predictors if from_gguf else model / "predictors.safetensors"

@@ -102,7 +102,8 @@ def _member_sums(builder, vs):
     while width > 1:
         half = width // 2
         lo = [j * width + k for j in range(members) for k in range(half)]
-        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*lo)), builder.shuffle_vector(v, v, _lanes(*[i + half for i in lo])))
+        hi = [i + half for i in lo]
+        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*lo)), builder.shuffle_vector(v, v, _lanes(*hi)))
         width = half
     return v
 
