@@ -229,6 +229,11 @@ class Decoder:
     def generate(self, ids, max_new_tokens, **kwargs) -> list[int]:
         return generate(self, ids, max_new_tokens, **kwargs)
 
+    def runs_alone(self, tokens: int) -> bool:
+        """Whether a run of this many tokens needs a forward of its own for its tokens' results to be the same bits
+        whatever runs beside it (the scheduler's grouping): no, unless an engine's kernels for it say otherwise."""
+        return False
+
     def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
         """ref.model.shift_context on this engine's cache (a rare step: numpy's rope, as ref's, on float32 keys)."""
         shift_context(self.config, cache, seq, keep, discard)
@@ -268,6 +273,7 @@ class Engine(Decoder):
         self.no_picks = np.zeros((c.n_layers, 0, 0), np.uint8)  # decode_step's picks where the threshold decides
         self._step = None  # (selector, step_layers' list) until a transform changes the layers (layers_changed)
         self._slots = self._rows = None  # slot_lists' and step_rows' lists, with the cache and version they are of
+        self.run = None  # the longest run of the step `forward` runs (kernels); None outside one
 
     @staticmethod
     def load(path: str | Path | Weights, threads: int | None = None, fmt: Format | None = None) -> "Engine":
@@ -310,7 +316,8 @@ class Engine(Decoder):
         sel, T, F = self.selector, h.shape[0], self.config.d_ffn
         if sel.predicts:
             logits = np.empty((T, F), F32)
-            kernels(T, h.shape[1]).predictor(logits, np.empty((T, n_rows(sel.fc1[l])), F32), h, sel.fc1[l], sel.fc2[l])
+            self.kernels(T, h.shape[1]).predictor(logits, np.empty((T, n_rows(sel.fc1[l])), F32), h, sel.fc1[l],
+                                                  sel.fc2[l])
         picked = sel.pick_rows(l, logits if sel.predicts else None, T)  # [T, F]: token t computes neuron i
         union, mask = np.empty(F, np.int32), np.empty((T, F), np.uint8)
         n = cpu.union_mask(union, mask, np.ascontiguousarray(picked, np.uint8))
@@ -326,7 +333,7 @@ class Engine(Decoder):
         tokens (in BLAS for steps that `kernels` sends there), the attention runs per sequence."""
         L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.eps, h.shape[0]
         w, b = self.norm_weights(L, ATTN_NORM)
-        k = kernels(T, h.shape[1])
+        k = self.kernels(T, h.shape[1])
         if L.wqkv is None:  # thinned (apply_sparsity): the projections read their inputs' kept rows
             return self.thinned_attention(l, L, h, w, b, batch, cache)
         if len(runs) == 1 and k is cpu:
@@ -355,13 +362,22 @@ class Engine(Decoder):
         x = np.empty_like(h)
         cpu.norm(x, h, w, b, self.eps)
         qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
-        thinned_product(qkv, x, L.wqkv_t, L.thin, 0, len(self.acc))
+        self.thinned_product(qkv, x, L.wqkv_t, L.thin, 0)
         cpu.add_bias(qkv, L.bqkv)
         att = self.attend(l, L, qkv, batch, cache)  # [T, H E]
         out = np.empty_like(h)
-        thinned_product(out, att, L.wo_t, L.thin, 1, len(self.acc))
+        self.thinned_product(out, att, L.wo_t, L.thin, 1)
         cpu.add_bias(out, L.bo)
         return out
+
+    def thinned_product(self, out: np.ndarray, x: np.ndarray, wt: np.ndarray, thin: Thin, site: int) -> None:
+        """out = W thin(x) per token (site's weights and threshold), reading the rows of the stored transpose wt
+        [K, N] that some token keeps (fast.cpu.sparse_rows; in BLAS for steps that `kernels` sends there).
+        out: [T, N]; x: [T, K]."""
+        T, K = x.shape
+        xt, ids = np.empty_like(x), np.empty(K, np.int32)
+        n = cpu.thin(xt, ids, x, thin.w[site], thin.t[site])
+        self.kernels(T, K).sparse_rows(out, np.empty((len(self.acc), T, out.shape[1]), F32), xt, wt, ids, n)
 
     def attend(self, l: int, L: Layer, qkv: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
         """The attention of projected rows qkv [T, (H + 2K) E] (each head's q and k normed where the family says so,
@@ -417,17 +433,17 @@ class Engine(Decoder):
             x, F = np.empty_like(h), self.config.d_ffn
             cpu.norm(x, h, w, b, eps)
             gu = np.empty((T, F * (2 if self.config.gated else 1)), F32)  # [T, 2F]
-            thinned_product(gu, x, L.gate_up_t, L.thin, 2, len(self.acc))
+            self.thinned_product(gu, x, L.gate_up_t, L.thin, 2)
             a, ids = np.empty((T, F), F32), np.empty(F, np.int32)
             n = cpu.thin_activations(a, ids, gu, L.bu, self.kind, self.thr, L.thin.w[3], L.thin.t[3])
-            kernels(T, h.shape[1]).sparse_rows(y, np.empty((len(self.acc), T, h.shape[1]), F32), a, L.bundle[:, 0],
-                                               ids, n)
+            self.kernels(T, h.shape[1]).sparse_rows(y, np.empty((len(self.acc), T, h.shape[1]), F32), a,
+                                                    L.bundle[:, 0], ids, n)
             cpu.add_bias(y, L.bd)
             return y
         if L.down is not None:  # llama.cpp's ffn_down as stored: y = Wd a(g, u)
             x, gu = np.empty_like(h), np.empty((T, n_rows(L.gate_up)), F32)  # [T, D], [T, 2F]
             cpu.norm(x, h, w, b, eps)
-            k = kernels(T, h.shape[1])
+            k = self.kernels(T, h.shape[1])
             k.matmul(gu, x, L.gate_up)
             a = np.empty((T, gu.shape[1] // 2), F32)  # [T, F]
             cpu.activations(a, gu, self.kind, self.thr)
@@ -441,7 +457,7 @@ class Engine(Decoder):
                 return y
             x, gu = np.empty_like(h), np.empty((T, n_rows(L.gate_up)), F32)  # [T, D], [T, 2F]
             cpu.norm(x, h, w, b, eps)
-            k = kernels(T, h.shape[1])
+            k = self.kernels(T, h.shape[1])
             k.matmul(gu, x, L.gate_up)
             k.dense_down(y, np.empty((len(self.acc), T, h.shape[1]), F32), gu, down, self.kind, self.thr)
             cpu.add_bias(y, L.bd)
@@ -463,7 +479,7 @@ class Engine(Decoder):
             n = min(FFN_CHUNK, T - t0)
             union, mask = self.active_sets(l, h[t0:t0 + n])
             pairs = mask[:, :len(union)]  # [n, U]: the defined columns
-            k = cpu if np.count_nonzero(pairs) < GEMM_SHARE * pairs.size else kernels(n, h.shape[1])
+            k = cpu if np.count_nonzero(pairs) < GEMM_SHARE * pairs.size else self.kernels(n, h.shape[1])
             k.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n],
                                L.bundle, L.bu, union, len(union), mask, kind, thr)
         cpu.add_bias(y, L.bd)
@@ -473,16 +489,28 @@ class Engine(Decoder):
         """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run. Every block in one
         compiled call (cpu.decode_step) where the step, the layout and the selector allow it (one_call)."""
         runs = check_batch(batch, cache, self.config)
-        h = self.embed_tokens(batch)  # [T, D]
-        layers = self.step_layers() if self.one_call(h, runs) else None
-        logits = None
-        if layers is not None:
-            logits = self.decode_step(h, batch, cache, layers)
-        else:
-            for l in range(self.config.n_layers):
-                self.block(l, h, batch, cache)
-        advance(cache, runs)
-        return self.output(np.ascontiguousarray(h[batch.output_rows()])) if logits is None else logits
+        self.run = max(b - a for _, a, b in runs)
+        try:
+            h = self.embed_tokens(batch)  # [T, D]
+            layers = self.step_layers() if self.one_call(h, runs) else None
+            logits = None
+            if layers is not None:
+                logits = self.decode_step(h, batch, cache, layers)
+            else:
+                for l in range(self.config.n_layers):
+                    self.block(l, h, batch, cache)
+            advance(cache, runs)
+            return self.output(np.ascontiguousarray(h[batch.output_rows()])) if logits is None else logits
+        finally:
+            self.run = None
+
+    def kernels(self, T: int, D: int):
+        """The module `kernels` of the step `forward` runs (outside one: of T tokens in one run), width D."""
+        return kernels(self.run or T, D)
+
+    def runs_alone(self, tokens: int) -> bool:
+        """Whether such a run takes fast.blas's kernels (the module `kernels`)."""
+        return kernels(tokens, self.config.d_model) is blas
 
     def one_call(self, h: np.ndarray, runs: list) -> bool:
         """Whether a step of h [T, D] may run as cpu.decode_step: one token, or one token of each of several
@@ -494,7 +522,7 @@ class Engine(Decoder):
         """Whether the FFN block of several tokens h [T, D] runs as cpu.ffn_batch_block: one chunk on fast.cpu's
         kernels, its sets the predictor's threshold or a pick drawn ahead."""
         sel, T = self.selector, h.shape[0]
-        return (sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK and kernels(T, h.shape[1]) is cpu
+        return (sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK and self.kernels(T, h.shape[1]) is cpu
 
     def step_layers(self) -> list | None:
         """The per-layer arrays cpu.decode_step reads (cpu.StepLayer's fields but the cache's slots), kept until a
@@ -560,7 +588,7 @@ class Engine(Decoder):
     def project(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x @ w.T [T, N] with the kernels for T tokens (the embedding's projections, the output head)."""
         out = np.empty((x.shape[0], n_rows(w)), F32)
-        kernels(*x.shape).matmul(out, x, w)
+        self.kernels(*x.shape).matmul(out, x, w)
         return out
 
     def output(self, h: np.ndarray) -> np.ndarray:
@@ -570,16 +598,6 @@ class Engine(Decoder):
         if self.project_out is not None:
             x = self.project(x, self.project_out)
         return self.project(x, self.lm_head)
-
-
-def thinned_product(out: np.ndarray, x: np.ndarray, wt: np.ndarray, thin: Thin, site: int, chunks: int) -> None:
-    """out = W thin(x) per token (site's weights and threshold), reading the rows of the stored transpose wt
-    [K, N] that some token keeps (fast.cpu.sparse_rows; in BLAS for steps that `kernels` sends there).
-    out: [T, N]; x: [T, K]."""
-    T, K = x.shape
-    xt, ids = np.empty_like(x), np.empty(K, np.int32)
-    n = cpu.thin(xt, ids, x, thin.w[site], thin.t[site])
-    kernels(T, K).sparse_rows(out, np.empty((chunks, T, out.shape[1]), F32), xt, wt, ids, n)
 
 
 def pre_norm_block(e: Engine, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> None:
@@ -609,10 +627,13 @@ BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "parallel": 
           "parallel_shared": parallel_block}
 
 
-def kernels(T: int, D: int):
-    """The kernels for a step of T tokens of width D (d_model): fast.cpu's, or from blas.MIN_TOKENS and
-    blas.MIN_WORK (T D) on, fast.blas's (same contracts)."""
-    return blas if T >= blas.MIN_TOKENS and T * D >= blas.MIN_WORK else cpu
+def kernels(run: int, D: int):
+    """The kernels of a step whose longest run (one sequence's consecutive tokens) is `run` tokens of width D
+    (d_model): fast.cpu's, or where the run (a prompt chunk) reaches blas.MIN_TOKENS and run D blas.MIN_WORK,
+    fast.blas's (same contracts). Decided by the run, not the step's tokens: with fast.cpu's kernels a token's result
+    is the same bits beside any others (however many sequences decode or prefill together), which a GEMM's blocking
+    does not promise, so a step that runs fast.blas's holds that run alone (Engine.runs_alone)."""
+    return blas if run >= blas.MIN_TOKENS and run * D >= blas.MIN_WORK else cpu
 
 
 def free_cores(sample_seconds: float = 0.1) -> int:

@@ -31,20 +31,20 @@ kernel_cache.install()  # before any kernel is defined: numba picks a function's
 from fast.cpu.attention import (BLOCK, SPLIT, attend, attention, attention_block, causal_logits,  # noqa: E402
                                 decode_attention, decode_attention_block, exp_le0, merge_items, normalize_rows,
                                 qk_norm, qkv_proj, self_attention, store_kv)
-from fast.cpu.base import (BLOCKS, CATS, FASTMATH, KINDS, activation, activation_py, add_bias, copy_rows, embed,  # noqa: E402
-                           layernorm, norm, prefetch, prefetch_row, prefetch_rows, read_bandwidth_probe, rmsnorm,
-                           rope, sum_chunks)
+from fast.cpu.base import (BLOCKS, CATS, FASTMATH, KINDS, activation, activation_py, add_bias,  # noqa: E402
+                           chunk_bounds, copy_rows, embed, layernorm, norm, prefetch, prefetch_row, prefetch_rows,
+                           read_bandwidth_probe, rmsnorm, rope, sum_chunks)
 from fast.cpu.ffn import (TILE_SHARE, activations, dense_down, dense_ffn_block, ffn_batch_block,  # noqa: E402
                           ffn_block, ffn_neurons, gather_values, masked_activation, predicted_set, predictor, relu_,
                           round_q8_0, sparse_ffn, sparse_ffn_batch, sparse_ffn_batch_chunk, sparse_ffn_chunk,
                           union_mask)
 from fast.cpu.matmul import MATMUL_CHUNKS, matmul  # noqa: E402
 from fast.cpu.step import StepLayer, decode_step  # noqa: E402
-from fast.cpu.thin import kept_py, sparse_rows, sparse_rows_chunk, thin, thin_activations  # noqa: E402
+from fast.cpu.thin import add_rows, kept_py, sparse_rows, sparse_rows_chunk, thin, thin_activations  # noqa: E402
 
 __all__ = ["BLOCK", "BLOCKS", "CATS", "FASTMATH", "KINDS", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "activation",
-           "activation_py", "activations", "add_bias", "attend", "attention", "attention_block", "causal_logits",
-           "copy_rows", "decode_attention", "decode_attention_block", "decode_step",
+           "activation_py", "activations", "add_bias", "add_rows", "attend", "attention", "attention_block", "causal_logits",
+           "chunk_bounds", "copy_rows", "decode_attention", "decode_attention_block", "decode_step",
            "dense_down", "dense_ffn_block", "embed", "exp_le0", "ffn_batch_block", "ffn_block", "ffn_neurons",
            "gather_values", "kept_py", "layernorm", "masked_activation", "matmul", "merge_items", "norm", "normalize_rows", "predicted_set",
            "predictor", "prefetch", "prefetch_row", "prefetch_rows", "qk_norm", "qkv_proj", "read_bandwidth_probe",

@@ -157,6 +157,14 @@ def activation_py(kind, g, u, thr):
 activation = njit(inline="always")(activation_py)
 
 
+@njit(inline="always")
+def chunk_bounds(ids, n, c, C, N):
+    """(lo, hi): the part of the sorted list ids[:n] of N rows that worker chunk c of C takes, the rows c N / C <= i <
+    (c + 1) N / C. Chunks fixed by row, not by list position, so that a row's product joins the same partial sum
+    (sum_chunks) whichever rows the other tokens of a step list, and a token's result is the same bits beside any."""
+    return np.searchsorted(ids[:n], c * N // C), np.searchsorted(ids[:n], (c + 1) * N // C)
+
+
 @njit(fastmath=FASTMATH, inline="always")
 def sum_chunks(out, acc):
     """out = sum over chunks of acc, in chunk order (the serial reduction after the workers).  out: [N]; acc: [C, N].

@@ -8,11 +8,11 @@ from numba import njit, prange
 from numba.extending import overload
 
 from fast.quant import (BLOCK, axpy, axpy2t, axpy4, axpy4t, dot, dot2, dot2_2t, dot2_4t, dot2t, dot4, dot4_ahead,
-                        dot4t, dot4x4, f16_round, hints_ahead, is_float, load, n_rows, prefetch_span, q8_0_block,
+                        dot4t, dot4x4, f16_round, fma, hints_ahead, is_float, load, n_rows, prefetch_span, q8_0_block,
                         quantize_input)
-from fast.cpu.base import CATS, FASTMATH, activation, add_bias, norm, prefetch_rows, sum_chunks
+from fast.cpu.base import CATS, FASTMATH, activation, add_bias, chunk_bounds, norm, prefetch_rows, sum_chunks
 from fast.cpu.matmul import matmul, put16
-from fast.cpu.thin import sparse_rows
+from fast.cpu.thin import add_rows, sparse_rows
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -42,72 +42,46 @@ def gate_open(kind, g, thr):
 
 
 @njit(inline="always")
-def queue_up(gates, ids, m, g, i, bundle, span):
-    """Neuron i, whose gate g is open, joins the neurons whose up rows are read next (gates, ids [12]: m of them);
-    its up row is hinted now. -> m + 1."""
-    gates[m], ids[m] = g, i
-    prefetch_rows(bundle, i, 1, 2, span)
+def queue_up(gates, up, m, g, j, bundle, active, span):
+    """Neuron active[j], whose gate g is open, joins the neurons whose up rows are read next (gates, up [12]: m of
+    them, by their place j in the set); its up row is hinted now. -> m + 1."""
+    gates[m], up[m] = g, j
+    prefetch_rows(bundle, active[j], 1, 2, span)
     return m + 1
 
 
 @njit(inline="always")
-def queue_down(acts, ids, n, a, i):
-    """Neuron i with activation a joins the neurons whose down rows are added next (acts, ids [12]: n of them),
-    unless a is 0: it adds nothing. -> n."""
-    acts[n], ids[n] = a, i
-    return n + (a != 0)
-
-
-@njit(inline="always")
-def gated(gates, up_ids, m, acts, ids, n, g, i, bundle, bias, span, kind, thr):
-    """Neuron i after its first row's product g: a gated neuron whose gate is open waits for its up row (queue_up),
-    a non-gated one's activation a(g + bias_i, 1) for its down row (queue_down). -> (m, n)."""
+def gated(gates, up, m, a, lo, g, j, bundle, active, bias, span, kind, thr):
+    """Neuron active[j] after its first row's product g: a gated neuron whose gate is open waits for its up row
+    (queue_up), a non-gated one's activation a(g + bias_i, 1) is a[j - lo]. -> m."""
     if bundle.shape[1] == 3:
         if gate_open(kind, g, thr):
-            m = queue_up(gates, up_ids, m, g, i, bundle, span)
-        return m, n
-    return m, queue_down(acts, ids, n, activation(kind, g + bias[i] if bias.size else g, np.float32(1.0), thr), i)
+            m = queue_up(gates, up, m, g, j, bundle, active, span)
+        return m
+    a[j - lo] = activation(kind, g + bias[active[j]] if bias.size else g, np.float32(1.0), thr)
+    return m
 
 
 @njit(fastmath=FASTMATH, inline="always")
-def read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq, xd, xs, kind, thr):
-    """The four oldest of the m >= 4 waiting up rows read at once, their neurons' activations queued for their down
-    rows. -> (m - 4, n)."""
-    u0, u1, u2, u3 = dot4(bundle[up_ids[0], 1], bundle[up_ids[1], 1], bundle[up_ids[2], 1], bundle[up_ids[3], 1], x,
-                          xq, xd, xs)
-    n = queue_down(acts, ids, n, activation(kind, gates[0], u0, thr), up_ids[0])
-    n = queue_down(acts, ids, n, activation(kind, gates[1], u1, thr), up_ids[1])
-    n = queue_down(acts, ids, n, activation(kind, gates[2], u2, thr), up_ids[2])
-    n = queue_down(acts, ids, n, activation(kind, gates[3], u3, thr), up_ids[3])
+def read_up4(gates, up, m, a, lo, bundle, active, x, xq, xd, xs, kind, thr):
+    """The four oldest of the m >= 4 waiting up rows read at once, their neurons' activations into a. -> m - 4."""
+    u0, u1, u2, u3 = dot4(bundle[active[up[0]], 1], bundle[active[up[1]], 1], bundle[active[up[2]], 1],
+                          bundle[active[up[3]], 1], x, xq, xd, xs)
+    a[up[0] - lo], a[up[1] - lo] = activation(kind, gates[0], u0, thr), activation(kind, gates[1], u1, thr)
+    a[up[2] - lo], a[up[3] - lo] = activation(kind, gates[2], u2, thr), activation(kind, gates[3], u3, thr)
     for k in range(4, m):
-        gates[k - 4], up_ids[k - 4] = gates[k], up_ids[k]
-    return m - 4, n
+        gates[k - 4], up[k - 4] = gates[k], up[k]
+    return m - 4
 
 
 @njit(fastmath=FASTMATH, inline="always")
-def add_down4(y, acts, ids, n, bundle):
-    """y += a_i down_i for the four oldest of the n >= 4 waiting down rows, read at once. -> n - 4."""
-    P = bundle.shape[1]
-    axpy4(y, acts[0], acts[1], acts[2], acts[3], bundle[ids[0], P - 1], bundle[ids[1], P - 1], bundle[ids[2], P - 1],
-          bundle[ids[3], P - 1])
-    for k in range(4, n):
-        acts[k - 4], ids[k - 4] = acts[k], ids[k]
-    return n - 4
-
-
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
-def sparse_ffn_chunk(y, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, thr):
-    """y = sparse_ffn over active[lo:hi] (one worker's chunk)."""
-    D = y.shape[0]
-    P = bundle.shape[1]
+def chunk_activations(a, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, thr):
+    """a[j - lo] = a(g_i, u_i) (pre_activations) for i = active[j], lo <= j < hi, where the gate is open; the others'
+    entries are left as they are (0).  a: [hi - lo]."""
     span = prefetch_span(bundle)
     q = (hi - lo) // 4
-    for d in range(D):
-        y[d] = 0.0
-    gates, up_ids = np.empty(12, np.float32), np.empty(12, np.int64)  # up rows waiting to be read, < 12
-    acts, ids = np.empty(12, np.float32), np.empty(12, np.int64)  # down rows waiting to be read, < 12
-    m = n = 0
-    fired = 0  # acts[:fired] hinted already
+    gates, up = np.empty(12, np.float32), np.empty(12, np.int64)  # up rows waiting to be read, < 12
+    m = 0
     for j in range(lo, lo + q):
         i0, i1, i2, i3 = active[j], active[j + q], active[j + 2 * q], active[j + 3 * q]
         if j + 1 < lo + q and not hints_ahead(bundle):  # each lane's next gate row, unless it is adjacent
@@ -119,34 +93,31 @@ def sparse_ffn_chunk(y, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, th
         g0, g1, g2, g3 = dot4_ahead(bundle[i0, 0], bundle[i1, 0], bundle[i2, 0], bundle[i3, 0],
                                     bundle[active[jn], 0], bundle[active[jn + q], 0], bundle[active[jn + 2 * q], 0],
                                     bundle[active[jn + 3 * q], 0], x, xq0, xd0, xs0)
-        m, n = gated(gates, up_ids, m, acts, ids, n, g0, i0, bundle, bias, span, kind, thr)
-        m, n = gated(gates, up_ids, m, acts, ids, n, g1, i1, bundle, bias, span, kind, thr)
-        m, n = gated(gates, up_ids, m, acts, ids, n, g2, i2, bundle, bias, span, kind, thr)
-        m, n = gated(gates, up_ids, m, acts, ids, n, g3, i3, bundle, bias, span, kind, thr)
+        m = gated(gates, up, m, a, lo, g0, j, bundle, active, bias, span, kind, thr)
+        m = gated(gates, up, m, a, lo, g1, j + q, bundle, active, bias, span, kind, thr)
+        m = gated(gates, up, m, a, lo, g2, j + 2 * q, bundle, active, bias, span, kind, thr)
+        m = gated(gates, up, m, a, lo, g3, j + 3 * q, bundle, active, bias, span, kind, thr)
         if m >= 8:
-            m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
-        for k in range(fired, n):  # a down row that adds something, hinted a step before it is read
-            prefetch_rows(bundle, ids[k], P - 1, P, span)
-        if n >= 8:
-            n = add_down4(y, acts, ids, n, bundle)
-        fired = n
+            m = read_up4(gates, up, m, a, lo, bundle, active, x, xq0, xd0, xs0, kind, thr)
     for j in range(lo + 4 * q, hi):  # the chunk's last neurons, one at a time
-        i = active[j]
-        m, n = gated(gates, up_ids, m, acts, ids, n, dot(bundle[i, 0], x, xq0, xd0, xs0), i, bundle, bias, span,
-                     kind, thr)
+        m = gated(gates, up, m, a, lo, dot(bundle[active[j], 0], x, xq0, xd0, xs0), j, bundle, active, bias, span,
+                  kind, thr)
     while m >= 4:
-        m, n = read_up4(gates, up_ids, m, acts, ids, n, bundle, x, xq0, xd0, xs0, kind, thr)
-        if n >= 8:
-            n = add_down4(y, acts, ids, n, bundle)
+        m = read_up4(gates, up, m, a, lo, bundle, active, x, xq0, xd0, xs0, kind, thr)
     for k in range(m):
-        n = queue_down(acts, ids, n, activation(kind, gates[k], dot(bundle[up_ids[k], 1], x, xq0, xd0, xs0), thr),
-                       up_ids[k])
-        if n >= 8:
-            n = add_down4(y, acts, ids, n, bundle)
-    while n >= 4:
-        n = add_down4(y, acts, ids, n, bundle)
-    for k in range(n):
-        axpy(y, acts[k], bundle[ids[k], P - 1])
+        a[up[k] - lo] = activation(kind, gates[k], dot(bundle[active[up[k]], 1], x, xq0, xd0, xs0), thr)
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def sparse_ffn_chunk(y, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, thr):
+    """y = sparse_ffn over active[lo:hi] (one worker's chunk): the neurons' activations (chunk_activations), then the
+    down rows of those whose activation is not 0, in the set's order (add_rows)."""
+    a, rows = np.zeros(hi - lo, np.float32), np.empty(hi - lo, np.int64)
+    chunk_activations(a, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, thr)
+    for j in range(lo, hi):
+        rows[j - lo] = active[j]
+    y[:] = 0.0
+    add_rows(y, a, rows, hi - lo, bundle, bundle.shape[1] - 1, prefetch_span(bundle))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
@@ -159,33 +130,34 @@ def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     Four neurons stream at once, one from each quarter of the chunk (STREAMS), their gate rows first. A lane whose
     next neuron is not adjacent prefetches its gate row; rows in runs have the products hint the next gate rows line
     for line instead (dot4_ahead), so that their misses spread over the step rather than come at once. The rest of a
-    bundle is read only where it adds something, four rows at a time, each row hinted as soon as it is known to be
-    needed and read a step later: a gated neuron's up row where its gate is open (gate_open: a predicted neuron
-    whose ReLU gate is shut has a = 0 whatever u is), its down row where a != 0 (ReLU's zeros in a dense FFN, a
-    predicted neuron that does not fire). The chunk's work is sparse_ffn_chunk's.
+    bundle is read only where it adds something, four rows at a time: a gated neuron's up row where its gate is open
+    (gate_open: a predicted neuron whose ReLU gate is shut has a = 0 whatever u is), hinted as soon as it is known
+    to be needed and read a step later; then the down rows where a != 0 (ReLU's zeros in a dense FFN, a predicted
+    neuron that does not fire), in the set's order, the next four hinted meanwhile. Worker chunks by neuron
+    (chunk_bounds) and down rows in order: a token's sums are sparse_ffn_batch's for it, the same bits.
     """
     C, D = acc.shape
     xq, xd, xs = quantize_input(x.reshape((1, D)), bundle)
     for c in prange(C):
-        sparse_ffn_chunk(acc[c], x, xq[0], xd[0], xs[0], bundle, bias, active, c * n_active // C,
-                         (c + 1) * n_active // C, kind, thr)
+        lo, hi = chunk_bounds(active, n_active, c, C, bundle.shape[0])
+        sparse_ffn_chunk(acc[c], x, xq[0], xd[0], xs[0], bundle, bias, active, lo, hi, kind, thr)
     sum_chunks(out, acc)
 
 
 @njit(fastmath=FASTMATH, inline="always")
 def axpy4x4(y, t, a, w0, w1, w2, w3):
-    """y[t + k] += sum_n a[4 n + k] w_n for four tokens and four float32 rows (a: dot4x4's order): each row element
-    loaded once for four tokens and each output element once for four rows (a row at a time into four tokens, axpy4t,
-    loads and stores the four outputs per row).  y: [T, D]."""
+    """y[t + k] += sum_n a[4 n + k] w_n for four tokens and four float32 rows (a: dot4x4's order), the rows in order
+    (axpy's steps): each row element loaded once for four tokens and each output element once for four rows (a row
+    at a time into four tokens, axpy4t, loads and stores the four outputs per row).  y: [T, D]."""
     a00, a01, a02, a03, a10, a11, a12, a13 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
     a20, a21, a22, a23, a30, a31, a32, a33 = a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]
     y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
     for d in range(y.shape[1]):
         v0, v1, v2, v3 = w0[d], w1[d], w2[d], w3[d]
-        y0[d] += a00 * v0 + a10 * v1 + a20 * v2 + a30 * v3
-        y1[d] += a01 * v0 + a11 * v1 + a21 * v2 + a31 * v3
-        y2[d] += a02 * v0 + a12 * v1 + a22 * v2 + a32 * v3
-        y3[d] += a03 * v0 + a13 * v1 + a23 * v2 + a33 * v3
+        y0[d] = fma(a30, v3, fma(a20, v2, fma(a10, v1, fma(a00, v0, y0[d]))))
+        y1[d] = fma(a31, v3, fma(a21, v2, fma(a11, v1, fma(a01, v0, y1[d]))))
+        y2[d] = fma(a32, v3, fma(a22, v2, fma(a12, v1, fma(a02, v0, y2[d]))))
+        y3[d] = fma(a33, v3, fma(a23, v2, fma(a13, v1, fma(a03, v0, y3[d]))))
 
 
 TILE_SHARE = 0.45  # pairs of (token, union neuron) computed, from which a float format's batch FFN runs in tiles
@@ -374,16 +346,13 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def sparse_ffn_batch_chunk(y, x, xq, xd, xs, bundle, bias, active, n_active, mask, kind, thr, tiles, c, C):
-    """y = sparse_ffn_batch's chunk c of C (one worker's): whole tiles (the last chunk takes the neurons left over),
-    or neurons.  y: [T, D]."""
+    """y = sparse_ffn_batch's chunk c of C (one worker's, chunk_bounds): tiles, or neurons.  y: [T, D]."""
     y[:] = 0.0
+    lo, hi = chunk_bounds(active, n_active, c, C, bundle.shape[0])
     if tiles:
-        quads = n_active // 4
-        ffn_tiles(y, x, bundle, bias, active, c * quads // C * 4, (c + 1) * quads // C * 4 if c < C - 1 else n_active,
-                  mask, kind, thr)
+        ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr)
     else:
-        ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, c * n_active // C, (c + 1) * n_active // C, mask, kind, thr,
-                    prefetch_span(bundle))
+        ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, prefetch_span(bundle))
 
 
 @njit(cache=True, nogil=True)

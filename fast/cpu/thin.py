@@ -5,7 +5,7 @@ dense layout's down half (ffn.dense_down) and the FFN's down rows."""
 import numpy as np
 from numba import njit, prange
 
-from fast.cpu.base import FASTMATH, activation, prefetch_row, sum_chunks
+from fast.cpu.base import FASTMATH, activation, chunk_bounds, prefetch_rows, sum_chunks
 from fast.quant import axpy, axpy4, axpy4t
 
 
@@ -56,25 +56,35 @@ def thin_activations(a, ids, gu, bias, kind, thr, w, t):
     return union_of(ids, a)
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def add_rows(y, vals, rows, n, w, p, span):
+    """y += sum_{k < n} vals[k] w[rows[k], p] over the entries whose value is not 0 (vals and rows compacted to them
+    in place), in their order (axpy's steps: the same bits as one at a time), four rows at a time, the next four
+    hinted (their first `span` bytes) meanwhile.  y: [N]; w: [R, P, N / block]; vals, rows: [>= n]."""
+    m = 0
+    for k in range(n):
+        vals[m], rows[m] = vals[k], rows[k]
+        m += vals[k] != 0
+    n = m
+    for k in range(0, n - 3, 4):
+        for m in range(k + 4, min(k + 8, n)):
+            prefetch_rows(w, rows[m], p, p + 1, span)
+        axpy4(y, vals[k], vals[k + 1], vals[k + 2], vals[k + 3], w[rows[k], p], w[rows[k + 1], p], w[rows[k + 2], p],
+              w[rows[k + 3], p])
+    for k in range(n - n % 4, n):
+        axpy(y, vals[k], w[rows[k], p])
+
+
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def sparse_rows_chunk(y, x, wt, ids, lo, hi):
-    """y = sparse_rows over ids[lo:hi] (one worker's chunk).  y: [T, N]."""
+    """y = sparse_rows over ids[lo:hi] (one worker's chunk), each token's rows added in the list's order.  y: [T, N]."""
     T = y.shape[0]
     y[:] = 0.0
-    if T == 1:  # the rows that add something, then four at a time, the next four hinted ahead
-        vals, rows = np.empty(hi - lo + 1, np.float32), np.empty(hi - lo + 1, np.int64)
-        n = 0
+    if T == 1:  # the rows that add something, four at a time (add_rows)
+        vals, rows = np.empty(hi - lo, np.float32), np.empty(hi - lo, np.int64)
         for j in range(lo, hi):
-            vals[n], rows[n] = x[0, ids[j]], ids[j]
-            n += vals[n] != 0
-        span = wt.shape[1] * wt.itemsize
-        for k in range(0, n - 3, 4):
-            for m in range(k + 4, min(k + 8, n)):
-                prefetch_row(wt, rows[m], wt.shape[1], span)
-            axpy4(y[0], vals[k], vals[k + 1], vals[k + 2], vals[k + 3], wt[rows[k]], wt[rows[k + 1]],
-                  wt[rows[k + 2]], wt[rows[k + 3]])
-        for k in range(n - n % 4, n):
-            axpy(y[0], vals[k], wt[rows[k]])
+            vals[j - lo], rows[j - lo] = x[0, ids[j]], ids[j]
+        add_rows(y[0], vals, rows, hi - lo, wt.reshape((wt.shape[0], 1, wt.shape[1])), 0, wt.shape[1] * wt.itemsize)
     else:  # each row read once for the tokens whose input selects it, four tokens at a time
         vals, toks = np.empty(T, np.float32), np.empty(T, np.int64)
         for j in range(lo, hi):
@@ -94,11 +104,13 @@ def sparse_rows_chunk(y, x, wt, ids, lo, hi):
 def sparse_rows(out, acc, x, wt, ids, n):
     """out[t] = sum_{j < n} x[t, i] W^T[i], i = ids[j]: W x[t] reading only the rows of the stored transpose that the
     listed inputs select (their union, for several tokens), each row read once, a zero input skipping it (rows
-    decoded as they are read: a product over W^T reads x as it is, ref.quant.Transposed).
+    decoded as they are read: a product over W^T reads x as it is, ref.quant.Transposed). Worker chunks by row
+    (chunk_bounds) and each token's rows in order: a token's result is the same bits alone or beside others.
 
     out: [T, N]; acc: [C, T, N] per-chunk private accumulators; x: [T, K]; wt: [K, N / block] rows of blocks;
-    ids: [>= n] int32."""
+    ids: [>= n] int32, sorted."""
     C, T, N = acc.shape
     for c in prange(C):
-        sparse_rows_chunk(acc[c], x, wt, ids, c * n // C, (c + 1) * n // C)
+        lo, hi = chunk_bounds(ids, n, c, C, wt.shape[0])
+        sparse_rows_chunk(acc[c], x, wt, ids, lo, hi)
     sum_chunks(out.reshape(T * N), acc.reshape((C, T * N)))

@@ -34,7 +34,7 @@ from numba.extending import overload
 from fast.quant.blocks import (AHEAD, OFFSET, block_axpy, block_axpy2t, block_axpy4, block_axpy4t, block_dot,
                                block_dot2t, block_dot4t, q8_0_block)
 from fast.quant.floats import (bf16_bits, bf16_to_f32, dot4x4, f16_bits, f16_round, f16_to_f32, fdot, fdot2, fdot2_2t,
-                               fdot2_4t, fdot2t, fdot4, fdot4t, load, widen)
+                               fdot2_4t, fdot2t, fdot4, fdot4t, fma, load, widen)
 from fast.quant.groups import (block_dot8, block_dot8_4t, block_dot8x2_4t, block_dot8x4, run_dot, run_dot2t, run_dot4,
                                run_dot4_ahead, run_dot4t)
 from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUN_FORMATS, RUNS,
@@ -44,13 +44,13 @@ import fast.quant.target as target
 
 # The row operations below, and what the kernels and tests take from the modules.
 __all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS", "Layout", "OFFSET",
-           "ROWS", "RUN", "RUNS", "RUN_FORMATS", "TYPES", "axpy", "axpy2t", "axpy4", "axpy4t", "bf16_bits", "bf16_to_f32",
-           "block_axpy", "block_axpy2t", "block_axpy4", "block_axpy4t", "block_dot", "block_dot2t", "block_dot4t",
-           "block_dot8", "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "dot", "dot2", "dot2_2t", "dot2_4t",
-           "dot2t", "dot4", "dot4_ahead", "dot4t", "decoded", "dot4x4", "f16_bits", "f16_round", "f16_to_f32", "for_matmul", "for_sparse",
-           "hints_ahead", "in_runs", "interleave", "interleaved", "is_float", "layout_of", "load", "n_rows", "plain",
-           "prefetch_span", "q8_0_block", "quantize_input", "run_dot", "run_dot2t", "run_dot4", "run_dot4_ahead",
-           "run_dot4t", "store", "to_runs"]
+           "ROWS", "RUN", "RUNS", "RUN_FORMATS", "TYPES", "axpy", "axpy2t", "axpy4", "axpy4t", "bf16_bits",
+           "bf16_to_f32", "block_axpy", "block_axpy2t", "block_axpy4", "block_axpy4t", "block_dot", "block_dot2t",
+           "block_dot4t", "block_dot8", "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "dot", "dot2", "dot2_2t",
+           "dot2_4t", "dot2t", "dot4", "dot4_ahead", "dot4t", "decoded", "dot4x4", "f16_bits", "f16_round",
+           "f16_to_f32", "fma", "for_matmul", "for_sparse", "hints_ahead", "in_runs", "interleave", "interleaved",
+           "is_float", "layout_of", "load", "n_rows", "plain", "prefetch_span", "q8_0_block", "quantize_input",
+           "run_dot", "run_dot2t", "run_dot4", "run_dot4_ahead", "run_dot4t", "store", "to_runs"]
 
 
 # ---------------------------------------------------------------------------------------------------- the row operations
@@ -223,10 +223,10 @@ def _axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
         def floats(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
             for d in range(y.shape[1]):
                 wd = load(w, d)
-                y[t0, d] += a0 * wd
-                y[t1, d] += a1 * wd
-                y[t2, d] += a2 * wd
-                y[t3, d] += a3 * wd
+                y[t0, d] = fma(a0, wd, y[t0, d])
+                y[t1, d] = fma(a1, wd, y[t1, d])
+                y[t2, d] = fma(a2, wd, y[t2, d])
+                y[t3, d] = fma(a3, wd, y[t3, d])
         return floats
 
     return lambda y, t0, t1, t2, t3, a0, a1, a2, a3, w: block_axpy4t(y, np.int64(t0), np.int64(t1), np.int64(t2),
@@ -243,14 +243,14 @@ def _axpy2t(y, t0, t1, a0, a1, w):
         def floats(y, t0, t1, a0, a1, w):
             for d in range(y.shape[1]):
                 wd = load(w, d)
-                y[t0, d] += a0 * wd
-                y[t1, d] += a1 * wd
+                y[t0, d] = fma(a0, wd, y[t0, d])
+                y[t1, d] = fma(a1, wd, y[t1, d])
         return floats
     return lambda y, t0, t1, a0, a1, w: block_axpy2t(y, np.int64(t0), np.int64(t1), a0, a1, w)
 
 
 def axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
-    """y += a0 w0 + a1 w1 + a2 w2 + a3 w3."""
+    """y += a0 w0 + a1 w1 + a2 w2 + a3 w3: axpy four times, in order (the same bits)."""
 
 
 @overload(axpy4)
@@ -258,14 +258,14 @@ def _axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
     if is_float(w0):
         def floats(y, a0, a1, a2, a3, w0, w1, w2, w3):
             for d in range(y.shape[0]):
-                y[d] += a0 * load(w0, d) + a1 * load(w1, d) + a2 * load(w2, d) + a3 * load(w3, d)
+                y[d] = fma(a3, load(w3, d), fma(a2, load(w2, d), fma(a1, load(w1, d), fma(a0, load(w0, d), y[d]))))
         return floats
 
     return lambda y, a0, a1, a2, a3, w0, w1, w2, w3: block_axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3)
 
 
 def axpy(y, a, w):
-    """y += a w."""
+    """y += a w, each element rounded once (fma; a block format's a d first, blocks._fma_block)."""
 
 
 @overload(axpy)
@@ -273,7 +273,7 @@ def _axpy(y, a, w):
     if is_float(w):
         def floats(y, a, w):
             for d in range(y.shape[0]):
-                y[d] += a * load(w, d)
+                y[d] = fma(a, load(w, d), y[d])
         return floats
     return lambda y, a, w: block_axpy(y, a, w)
 

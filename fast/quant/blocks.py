@@ -6,8 +6,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fast.quant.ir import (F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _data, _lanes, _prefetch, _read,
-                           _splat, _vec)
+from fast.quant.ir import (EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _data, _lanes, _prefetch,
+                           _read, _splat, _vec)
 from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, TYPES
 import fast.quant.target as target
 
@@ -254,6 +254,14 @@ def _item_blocks(builder, fmt, runs, p):
     return [((lambda j=j: raw(j)), builder.extract_element(d8, I32(j))) for j in range(RUN)]
 
 
+def _fma_block(builder, q, a, d, y):
+    """y + q (a d) for a block's 32 quants q, rounded once per lane (llvm.fma; a d rounded first, exactly): the one
+    step of every axpy of a block format, so that a row adds the same bits into a token's output in every variant
+    (one row or four, one token or several) and an output is the rows' steps in their order."""
+    s = _broadcast(builder, builder.fmul(a, d, flags=EXACT), 32)
+    return _call(builder, "llvm.fma.v32f32", _vec(F32, 32), q, s, y)
+
+
 def _axpy_t_codegen(fmt, runs, n_tokens):
     """y[t_k] += a_k dequant(w) for `n_tokens` tokens' rows of y [T, K], each block of w (blocks or runs)
     dequantized once."""
@@ -279,9 +287,7 @@ def _axpy_t_codegen(fmt, runs, n_tokens):
                 for start, a in zip(starts, as_):
                     yp = builder.bitcast(builder.gep(yp0, [builder.add(start, builder.mul(b, I64(BLOCK)))]),
                                          _vec(F32, 32).as_pointer())
-                    sv = _broadcast(builder, builder.fmul(a, d), 32)
-                    builder.store(builder.fadd(builder.load(yp, align=4), builder.fmul(q, sv, flags=("fast",)),
-                                               flags=("fast",)), yp, align=4)
+                    builder.store(_fma_block(builder, q, a, d, builder.load(yp, align=4)), yp, align=4)
             return carried
 
         _block_loop(builder, n, I64(0), body)
@@ -329,9 +335,7 @@ def _axpy_codegen(fmt, runs, rows):
                 y = builder.load(yp, align=4)
                 for a, blocks_ in zip(a_, items):
                     raw, d = blocks_[j]
-                    q = _values(builder, fmt, raw())
-                    y = builder.fadd(y, builder.fmul(q, _broadcast(builder, builder.fmul(a, d), 32), flags=("fast",)),
-                                     flags=("fast",))
+                    y = _fma_block(builder, _values(builder, fmt, raw()), a, d, y)
                 builder.store(y, yp, align=4)
             return carried
 
@@ -353,7 +357,6 @@ def block_axpy4(typingctx, y, a0, a1, a2, a3, w0, w1, w2, w3):
     fmt, runs = _blocks_of(w0.dtype)
     return None if fmt is None else (types.void(y, a0, a1, a2, a3, w0, w1, w2, w3), _axpy_codegen(fmt, runs, 4))
 
-EXACT = ("nsz",)  # a fast-math flag that changes no rounding: numba's fastmath pass leaves flagged instructions alone
 
 
 @intrinsic

@@ -6,7 +6,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from fast.quant.ir import F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _joined, _lanes, _read, _splat, _vec
+from fast.quant.ir import EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _joined, _lanes, _read, _splat, _vec
 from fast.quant.layouts import float_kind
 import fast.quant.target as target
 
@@ -55,6 +55,20 @@ def f16_round(typingctx, x):
     return types.float32(types.float32), codegen
 
 
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a b + c rounded once (llvm.fma.f32): the one step of every float axpy, so that a row adds the same bits into a
+    token's output in every variant (one row or four, one token or several, a tile) and an output is the rows' steps
+    in their order; numba's loops vectorise it."""
+    if not all(isinstance(v, types.Float) for v in (a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a_, b_, c_ = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
+        return _call(builder, "llvm.fma.f32", F32, a_, b_, c_)
+    return types.float32(a, b, c), codegen
+
+
 def load(row, k):
     """Element k of a row in a float format, as float32."""
 
@@ -84,7 +98,7 @@ def _member_sums(builder, vs):
     lanes), by one tree for every M: lane k and lane k + L/2 first, then k and k + L/4 of those, ... Pairs of vectors
     trade halves of each member's lanes and add while there are pairs (16 x 16 lanes: 15 shuffle pairs and adds
     where 16 separate horizontal sums take 64), then one vector's members halve in place. The adds are exact IEEE
-    adds (no fast flags: LLVM may not reorder them), so a product's sum is the same bits whichever rows and tokens
+    adds (EXACT: LLVM may not reorder them), so a product's sum is the same bits whichever rows and tokens
     share its call."""
     L, members = vs[0].type.count, 1
     while members < L and len(vs) > 1:
@@ -93,7 +107,7 @@ def _member_sums(builder, vs):
         lo = [j * width + k for j in range(members) for k in range(half)]
         hi = [i + half for i in lo]
         vs = [builder.fadd(builder.shuffle_vector(a, b, _lanes(*lo, *[L + i for i in lo])),
-                           builder.shuffle_vector(a, b, _lanes(*hi, *[L + i for i in hi])))
+                           builder.shuffle_vector(a, b, _lanes(*hi, *[L + i for i in hi])), flags=EXACT)
               for a, b in zip(vs[0::2], vs[1::2])]
         members *= 2
     if len(vs) > 1:  # L members of one lane each, in two vectors (16 members of 8-lane vectors)
@@ -103,7 +117,8 @@ def _member_sums(builder, vs):
         half = width // 2
         lo = [j * width + k for j in range(members) for k in range(half)]
         hi = [i + half for i in lo]
-        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*lo)), builder.shuffle_vector(v, v, _lanes(*hi)))
+        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*lo)), builder.shuffle_vector(v, v, _lanes(*hi)),
+                         flags=EXACT)
         width = half
     return v
 
@@ -163,7 +178,7 @@ def _float_products(rows, toks, ahead=()):
         sums = _member_sums(builder, [builder.extract_value(accs, m) for m in range(M)])
         first = builder.mul(steps, I64(L))
         tail = _block_loop(builder, builder.sub(K, first), zero, lambda i, a: element(builder.add(first, i), a))
-        sums = builder.fadd(sums, tail)
+        sums = builder.fadd(sums, tail, flags=EXACT)
         return context.make_tuple(builder, ret, [builder.extract_element(sums, I32(m)) for m in range(M)])
     return ret(*rows, *toks, *ahead), codegen
 

@@ -8,6 +8,9 @@ import fast.quant.target as target
 
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+# A fast-math flag that changes no rounding, on the float steps whose rounding is the contract: numba's fastmath pass
+# flags only the instructions that carry none, and its 'fast' would let LLVM reassociate them.
+EXACT = ("nsz",)
 
 def _vec(t, n):
     return ir.VectorType(t, n)

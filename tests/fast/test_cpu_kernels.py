@@ -163,3 +163,62 @@ def test_a_tokens_product_is_the_same_bits_beside_any_others(fmt):
         out = np.empty((T, N), np.float32)
         cpu.matmul(out, x[:T], w)
         np.testing.assert_array_equal(out, alone[:T], err_msg=f"{T} tokens")
+
+
+BESIDE = [("f32", True, False), ("f16", True, False), ("bf16", True, False), ("f16", False, False),
+          ("q8_0", True, False), ("q8_0", True, True), ("q4_0", True, True), ("q4_0", False, False)]
+
+
+@pytest.mark.parametrize("fmt, gated, runs", BESIDE)
+@pytest.mark.parametrize("sizes", [(0.7, 1.0), (0.0, 0.3)], ids=["dense-sets", "sparse-sets"])
+def test_a_tokens_ffn_is_the_same_bits_beside_any_others(fmt, gated, runs, sizes):
+    """sparse_ffn_batch's row for a token, with 2 to 9 tokens over their sets' union (tiles or a neuron at a time),
+    and sparse_ffn of the token alone over its own set: the same bits, so that a token's FFN does not depend on its
+    neighbours in a step."""
+    import numpy as np
+
+    from fast.cpu import KINDS
+    from tests.fast.kernels import ffn_weights, randn
+    rng = np.random.default_rng()
+    D = 256 if runs else 40 if fmt in ("f32", "f16", "bf16") else 64  # runs: whole runs of blocks; floats: a tail
+    T, F, C, kind, thr = 9, 61, 3, KINDS["relu"], np.float32(0.1)
+    bundle, bu, _ = ffn_weights(rng, F, D, fmt, gated, runs)
+    x = randn(rng, T, D)
+    sets = [np.sort(rng.choice(F, rng.integers(int(sizes[0] * F), int(sizes[1] * F) + 1), replace=False))
+            .astype(np.int32) for _ in range(T)]
+    sets[1] = np.empty(0, np.int32)
+    alone = np.empty((T, D), np.float32)
+    for t in range(T):
+        cpu.sparse_ffn(alone[t], np.empty((C, D), np.float32), x[t], bundle, bu, sets[t], len(sets[t]), kind, thr)
+    for n in range(2, T + 1):
+        union = np.unique(np.concatenate(sets[:n])).astype(np.int32)
+        mask = np.zeros((n, F), np.uint8)
+        for t in range(n):
+            mask[t, np.searchsorted(union, sets[t])] = 1
+        out = np.empty((n, D), np.float32)
+        cpu.sparse_ffn_batch(out, np.empty((C, n, D), np.float32), x[:n], bundle, bu, union, len(union), mask, kind,
+                             thr)
+        np.testing.assert_array_equal(out, alone[:n], err_msg=f"{n} tokens")
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+def test_a_tokens_rows_product_is_the_same_bits_beside_any_others(fmt):
+    """sparse_rows (activation sparsity's product, the dense layout's down half: dense_down) for a token over its own
+    inputs alone and over the union of 2 to 9 tokens' inputs: the same bits."""
+    import numpy as np
+
+    from ref.quant import blocks, quantize
+    rng = np.random.default_rng()
+    T, K, N, C = 9, 57, 40 if fmt in ("f32", "f16", "bf16") else 64, 3
+    wt = blocks(quantize(rng.standard_normal((K, N)).astype(np.float32), fmt))
+    x = rng.standard_normal((T, K)).astype(np.float32) * (rng.random((T, K)) < 0.4)
+    x[2] = 0
+    alone = np.empty((T, N), np.float32)
+    for t in range(T):
+        ids = np.flatnonzero(x[t]).astype(np.int32)
+        cpu.sparse_rows(alone[t:t + 1], np.empty((C, 1, N), np.float32), x[t:t + 1], wt, ids, len(ids))
+    for n in range(2, T + 1):
+        ids = np.flatnonzero(x[:n].any(0)).astype(np.int32)
+        out = np.empty((n, N), np.float32)
+        cpu.sparse_rows(out, np.empty((C, n, N), np.float32), x[:n], wt, ids, len(ids))
+        np.testing.assert_array_equal(out, alone[:n], err_msg=f"{n} tokens")

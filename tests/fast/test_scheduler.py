@@ -135,7 +135,7 @@ class PoisonedEngine:
 
     def __init__(self, engine, poison: int):
         self.engine, self.poison = engine, poison
-        self.config, self.new_cache = engine.config, engine.new_cache
+        self.config, self.new_cache, self.runs_alone = engine.config, engine.new_cache, engine.runs_alone
 
     def forward(self, batch, cache):
         if self.poison in batch.tokens:
@@ -170,3 +170,46 @@ def test_a_failing_request_fails_alone(poison):
     for got, want in zip(together[:2] + together[3:], alone):
         assert got[-1][0] == "done" and got[-1][2]["completion_tokens"] == 12
         assert [e[:2] for e in got[:-1]] == [e[:2] for e in want[:-1]]
+
+
+@pytest.mark.parametrize("kv, sparse, gemm", [("f32", False, False), ("f16", True, False), ("bf16", False, True),
+                                              ("q8_0", False, False), ("q8_0", True, False), ("q8_0", True, True)])
+def test_a_seeded_request_gives_the_same_text_alone_beside_others_and_again(kv, sparse, gemm, monkeypatch):
+    """Seeded sampling (temperature 0.9), prompts of one to four blocks, 120 tokens each: each request's text alone;
+    then all eight at once in four slots (later ones arriving while others decode, prompt blocks beside decodes);
+    then all eight again, their prompts from the prefix cache: the same text each time, in every KV format. With
+    `gemm` every prompt block of two tokens or more runs fast.blas's kernels (as a wide model's do), so alone, and
+    the cache restores whole blocks."""
+    import fast.blas
+    import fast.engine
+    from fast.load import load_engine
+    from ref.common.prefix import BLOCK
+    if gemm:
+        monkeypatch.setattr(fast.blas, "MIN_TOKENS", 2)
+        monkeypatch.setattr(fast.blas, "MIN_WORK", 0)
+        monkeypatch.setattr(fast.blas, "GEMM_TOKENS", 2)
+        monkeypatch.setattr(fast.engine, "GEMM_SHARE", 0.0)
+    tok = load_tokenizer(SHIPPED)
+    engine = load_engine(SHIPPED, threads=2, predictors=SHIPPED / "predictors.safetensors" if sparse else None,
+                         cache_types=(kv, kv))
+    assert engine.runs_alone(BLOCK) == gemm
+    text = (SHIPPED.parent / "corpus" / "val.txt").read_text()
+    prompts = [tok.encode(text[300 * i:300 * i + n]) for i, n in enumerate([60, 700, 330, 900, 200, 450, 120, 520])]
+
+    def requests():
+        return [Request(p, Params(temperature=0.9, seed=i, max_tokens=120, ignore_eos=True), None)
+                for i, p in enumerate(prompts)]
+
+    def texts(rounds, cache_ram=0):
+        sched = Scheduler(lambda: (engine, tok), slots=4, ctx_size=400, batch_size=96, cache_ram=cache_ram).start()
+        out = [[e[-1][2]["text"] for e in serve_requests(sched, reqs)] for reqs in rounds]
+        sched.stop()
+        return out, sched.metrics["prompt_tokens_cached_total"]
+
+    alone = [texts([[r]])[0][0][0] for r in requests()]
+    assert len(set(alone)) == len(alone)
+    (beside, again), cached = texts([requests(), requests()], cache_ram=64)
+    assert beside == alone
+    assert again == alone
+    whole = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)  # the second round's restored positions
+    assert cached == whole if gemm else cached >= sum(len(p) - 1 for p in prompts)
