@@ -73,6 +73,14 @@ def dense_twin(engine: Engine) -> Engine:
     return dense_ffn(twin(engine))
 
 
+def server_twin(engine: Engine) -> Engine:
+    """The engine's arrays with the server's kernels (`gemm` off: fast.cpu's only, a token the same bits beside any
+    others)."""
+    served = twin(engine)
+    served.selector, served.kv_types, served.gemm = engine.selector, engine.kv_types, False
+    return served
+
+
 def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) -> Engine:
     """The engine's weights with activation sparsity (TEAL), thresholds drawn so that `sparsity` of each site's
     inputs is dropped on its first decode tokens (random weights have no corpus to be calibrated on): thinned at

@@ -2,8 +2,9 @@
 
 Where a step has enough tokens, a product is compute-bound and a BLAS GEMM wins: on 2 cores here OpenBLAS's sgemm
 ran x [64, 2048] @ W.T [2048, 5632] at 199 GFLOPS and [512, ...] at 318, fast.cpu.matmul (row dot products, bound
-by its loads) at 66 and 90; at 8 tokens fast.cpu won (85 vs 50 GFLOPS). So the engine runs a step of at least
-`MIN_TOKENS` tokens (and `MIN_WORK` tokens x d_model) with these kernels, fewer with fast.cpu's. Since then fast.cpu
+by its loads) at 66 and 90; at 8 tokens fast.cpu won (85 vs 50 GFLOPS). So the engine runs a step whose longest
+run (a prompt chunk) has at least `MIN_TOKENS` tokens (and `MIN_WORK` tokens x d_model) with these kernels, others
+with fast.cpu's, and the server none (engine.kernels: a GEMM's sums for a row depend on the rows beside it). Since then fast.cpu
 gained 4 x 4 tiles for float products and int8 kernels for q8_0/q4_0, so `matmul` hands a float product of fewer
 than GEMM_TOKENS tokens, and every q8_0/q4_0 one, back to fast.cpu (and the engine keeps a sparse chunk's FFN there,
 engine.GEMM_SHARE). Weights in another format than float32 are decoded to float32 first (`fast.cpu.gather_values`:
@@ -29,10 +30,10 @@ from ref.quant import values
 
 F32 = np.float32
 MIN_TOKENS = 32  # tokens from which a step's products run here (measured crossover: between 8 and 64)
-# ... and tokens x d_model from which they do: a narrow model's products are too small for the pool and the decoded
-# copies to pay. The shipped model (d_model 256, f16), fast.cpu's kernels against these: one sequence's 64 / 128 /
-# 256-token prompt 6.8 / 15.5 / 39.5 ms against 9.8 / 21.5 / 40.0, fifteen 9-token prompts in one step 13.3 against
-# 20.2. TinyLlama's crossover (32 tokens of 2048) is this product too.
+# ... and a run's tokens x d_model from which they do: a narrow model's products are too small for the pool and the
+# decoded copies to pay. The shipped model (d_model 256, f16), fast.cpu's kernels against these: one sequence's 64 /
+# 128 / 256-token prompt 6.8 / 15.5 / 39.5 ms against 9.8 / 21.5 / 40.0. TinyLlama's crossover (32 tokens of 2048)
+# is this product too.
 MIN_WORK = 32 * 2048
 # Tokens from which a float matrix's product is a GEMM here rather than fast.cpu.matmul's 4 x 4 tiles: on 2 cores,
 # f32 [T, 2048] x [2048, 5632] at 32 / 144 / 512 tokens ran at 152 / 124 / 91 GFLOPS in fast.cpu, 73 / 174 / 245 in

@@ -218,6 +218,9 @@ class Decoder:
 
     compile_seconds = 0.0
     kv_types = ("f32", "f32")  # the formats new caches store keys and values in (fast.load.set_kv_types)
+    # Whether a prompt chunk may run GEMMs (fast.engine.kernels): faster from a few dozen tokens of a wide model, but
+    # a GEMM's blocking makes a token's bits depend on the chunk around it; the server turns it off.
+    gemm = True
 
     def logits(self, ids) -> np.ndarray:
         """Float32 logits [T, V] for a whole sequence from a fresh cache."""
@@ -228,11 +231,6 @@ class Decoder:
 
     def generate(self, ids, max_new_tokens, **kwargs) -> list[int]:
         return generate(self, ids, max_new_tokens, **kwargs)
-
-    def runs_alone(self, tokens: int) -> bool:
-        """Whether a run of this many tokens needs a forward of its own for its tokens' results to be the same bits
-        whatever runs beside it (the scheduler's grouping): no, unless an engine's kernels for it say otherwise."""
-        return False
 
     def shift(self, cache: KVCache, seq: int, keep: int, discard: int) -> None:
         """ref.model.shift_context on this engine's cache (a rare step: numpy's rope, as ref's, on float32 keys)."""
@@ -391,8 +389,8 @@ class Engine(Decoder):
             cpu.decode_attention(att, qkv, k_caches, v_caches, batch.seqs, batch.positions, self.cos, self.sin)
         else:
             for seq, a, b in runs:
-                kernels(b - a, c.d_model).self_attention(att[a:b], qkv[a:b], cache.k[l][seq], cache.v[l][seq],
-                                                         self.cos, self.sin, batch.positions[a])
+                self.kernels(b - a, c.d_model).self_attention(att[a:b], qkv[a:b], cache.k[l][seq],
+                                                              cache.v[l][seq], self.cos, self.sin, batch.positions[a])
         return att
 
     def ffn_kind(self, L: Layer) -> tuple[int, float]:
@@ -505,12 +503,9 @@ class Engine(Decoder):
             self.run = None
 
     def kernels(self, T: int, D: int):
-        """The module `kernels` of the step `forward` runs (outside one: of T tokens in one run), width D."""
-        return kernels(self.run or T, D)
-
-    def runs_alone(self, tokens: int) -> bool:
-        """Whether such a run takes fast.blas's kernels (the module `kernels`)."""
-        return kernels(tokens, self.config.d_model) is blas
+        """The module `kernels` of the step `forward` runs (outside one: of T tokens in one run), width D; fast.cpu's
+        where `gemm` is off."""
+        return kernels(self.run or T, D) if self.gemm else cpu
 
     def one_call(self, h: np.ndarray, runs: list) -> bool:
         """Whether a step of h [T, D] may run as cpu.decode_step: one token, or one token of each of several
@@ -630,9 +625,9 @@ BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "parallel": 
 def kernels(run: int, D: int):
     """The kernels of a step whose longest run (one sequence's consecutive tokens) is `run` tokens of width D
     (d_model): fast.cpu's, or where the run (a prompt chunk) reaches blas.MIN_TOKENS and run D blas.MIN_WORK,
-    fast.blas's (same contracts). Decided by the run, not the step's tokens: with fast.cpu's kernels a token's result
-    is the same bits beside any others (however many sequences decode or prefill together), which a GEMM's blocking
-    does not promise, so a step that runs fast.blas's holds that run alone (Engine.runs_alone)."""
+    fast.blas's (same contracts). Decided by the run, not the step's tokens: on fast.cpu's kernels a token's result
+    is the same bits beside any others and as a prompt's or a decode's, which a GEMM's blocking does not promise, so
+    decodes, however many sequences run together, keep that."""
     return blas if run >= blas.MIN_TOKENS and run * D >= blas.MIN_WORK else cpu
 
 

@@ -1,16 +1,13 @@
 """Continuous batching: one engine thread owns the model and runs every forward; requests wait in a bounded FIFO
 queue, take a KV-cache slot when one is free, and share each step with the others (llama.cpp's server loop).
 
-A step is one `forward` of each generating request's last sampled token (decodes first, so that they keep their
-pace) and of prompt blocks up to `batch_size` tokens in all, at least one: a prompt runs in blocks of `prefix.BLOCK`
-positions (k BLOCK to (k + 1) BLOCK, the last one shorter) over as many steps as it takes; a prompt that begins as
-one seen before starts from the prefix cache's copy of those positions (`ref.common.prefix`). A request samples
-with its own sampler and seed, and its text is the same alone, beside others and on a rerun, because a position's
-keys, values and logits are the same bits however the steps group it: fast.cpu's kernels give a token the same bits
-beside any others and as a prompt's or a decode's (engine.kernels), and a block whose kernels do not (a GEMM's,
-Decoder.runs_alone) runs as a forward of its own, always the same block. Where blocks run so (`exact` false), the
-prefix cache restores whole blocks and keeps prompts' positions only (a reply's, decoded, are other bits than a
-prompt's); else positions to the token, replies included (a chat's next turn begins with one). Text comes out through
+A step is one `forward` over a batch of runs: each generating request's last sampled token (decodes first, so that
+they keep their pace), then pending prompt tokens up to `batch_size` in all (a long prompt is fed in chunks over
+several steps, beside the running decodes; a prompt that begins as one seen before starts from the prefix cache's
+copy of those positions, `ref.common.prefix`). A request whose prompt is complete samples its next token from its
+run's logits with its own sampler and seed, and its text is the same alone, beside others, after the prefix cache and
+on a rerun: the engine runs fast.cpu's kernels only (`gemm` off), on which a position's keys, values and logits are
+the same bits however the steps group it (a prompt's chunks, the decodes beside it). Text comes out through
 `TextStream` (whole UTF-8 characters, stop strings cut and never emitted) as events the HTTP layer reads:
 `("text", piece, token)`, then `("done", finish_reason, stats)` or `("error", message, http_status)`. A cancelled
 request (a client that went away) leaves its slot at the next step; a request whose own work fails on the engine
@@ -32,7 +29,7 @@ from fast.load import memory_available
 from fast.sampling import sample as fast_sample
 from ref.common.batch import Batch
 from ref.common.errors import UserError
-from ref.common.prefix import BLOCK, PrefixCache
+from ref.common.prefix import PrefixCache
 from ref.common.sampling import REPEAT_LAST_N, apply_repeat_penalty, check_keep, shift_keep
 
 
@@ -202,7 +199,6 @@ class Scheduler:
             raise UserError(f"--cache-ram must be >= 0 MiB (0: no prefix cache), got {cache_ram:g}")
         self.cache_ram = cache_ram  # MiB of prefix cache (None: the default, cache_budget)
         self.prefix: PrefixCache | None = None
-        self.exact = True  # no prompt block runs alone (module docstring)
         self.context_shift, self.keep = context_shift, keep  # llama.cpp's --context-shift, --keep
         self.load, self.slots, self.ctx_size, self.batch_size = load, slots, ctx_size, batch_size
         self.waiting: queue.Queue = queue.Queue()  # accepted requests not yet in a slot (at most max_queue + free slots)
@@ -290,6 +286,7 @@ class Scheduler:
     def run(self) -> None:
         try:
             self.engine, self.tokenizer = self.load()
+            self.engine.gemm = False  # a GEMM's blocking would make a token's bits depend on its chunk (module doc)
             if self.slots > 1:  # compile the several-sequence step now (about 0.3 s), not during the first requests
                 warm = self.engine.new_cache(2, slots=2)
                 self.engine.forward(Batch.of([(0, [0]), (1, [0])], warm), warm)
@@ -301,7 +298,6 @@ class Scheduler:
                 self.cache.free(s)
             budget = cache_budget(self.cache_ram)
             self.prefix = PrefixCache(budget) if budget else None
-            self.exact = not self.engine.runs_alone(BLOCK)  # every position the same bits as a prompt's or a reply's
         except BaseException as e:  # the HTTP layer reports it on /health
             self.failed = e
             return
@@ -338,61 +334,44 @@ class Scheduler:
             self.metrics["requests_total"] += 1
             if self.prefix is not None and r.params.cache_prompt:  # the last prompt token runs: its logits
                 r.fed = r.cached = self.alone(r, self.prefix.restore, self.cache, r.slot, r.prompt,
-                                              len(r.prompt) - 1, 1 if self.exact else BLOCK) or 0
+                                              len(r.prompt) - 1) or 0
                 self.metrics["prompt_tokens_cached_total"] += r.cached
 
     def step(self) -> None:
-        """One step: the decodes and the prompt blocks due (prompt_blocks) as one forward, each block that runs
-        alone (Decoder.runs_alone) after it as a forward of its own; then each request whose prompt is complete,
-        and each decoding one, samples its next token."""
+        """One forward: decodes first, then prompt chunks within the batch budget; then each request whose prompt is
+        complete samples its next token."""
         for r in [r for r in self.running if r.cancelled.is_set()]:
             self.finish(r, None)
         for r in [r for r in self.running if r.fed == len(r.prompt) and self.cache.lengths[r.slot] == self.ctx]:
             self.alone(r, self.shift, r)  # a full slot that next_token let go on
         decoding = [r for r in self.running if r.fed == len(r.prompt)]
-        blocks = self.prompt_blocks(self.batch_size - len(decoding))  # [(request, start, end, alone)]
-        together = [(r.slot, [r.out[-1]]) for r in decoding] + [(r.slot, r.prompt[a:b]) for r, a, b, alone in blocks
-                                                                 if not alone]
+        runs, sampled, prompted = [(r.slot, [r.out[-1]]) for r in decoding], list(decoding), []
+        budget = self.batch_size - len(runs)
+        for r in self.running:
+            if r.fed < len(r.prompt) and budget > 0:
+                chunk = r.prompt[r.fed:r.fed + budget]
+                runs.append((r.slot, chunk))
+                budget -= len(chunk)
+                r.fed += len(chunk)
+                self.metrics["prompt_tokens_total"] += len(chunk)
+                if r.fed == len(r.prompt):
+                    sampled.append(r)
+                    prompted.append(r)
+        if not runs:
+            return
         t0 = time.perf_counter()
-        logits = self.forward(together) if together else {}  # {slot: [V]}
-        sampled = [r for r in decoding if r.slot in logits]
-        for r, a, b, alone in blocks:
-            if alone and r in self.running:
-                logits.update(self.forward([(r.slot, r.prompt[a:b])]))
-            if b == len(r.prompt) and r.slot in logits and r in self.running:
-                sampled.append(r)
-                self.cache_prefix(r, r.prompt)  # its prompt's positions, for the requests that begin as it does
+        logits = self.forward(runs)  # {slot: [V]} of the runs that went through
         self.metrics["seconds_total"] += time.perf_counter() - t0
         self.metrics["decode_steps_total"] += 1
+        for r in [r for r in sampled if r.slot not in logits]:
+            sampled.remove(r)
+        for r in prompted:  # its prompt's positions, for the requests that begin as it does
+            if r in sampled:
+                self.cache_prefix(r, r.prompt)
         rows = np.stack([logits[r.slot] for r in sampled]) if sampled else np.empty((0, 1), np.float32)  # [B, V]
         for r, t, z in zip(sampled, self.sample_each(sampled, rows), rows):
             if t >= 0:
                 self.alone(r, self.next_token, r, int(t), z)
-
-    def prompt_blocks(self, budget: int) -> list[tuple[Request, int, int, bool]]:
-        """The prompt positions this step feeds, as (request, start, end, alone): the requests in order, their
-        prompts' blocks of BLOCK positions (k BLOCK to (k + 1) BLOCK, the last one shorter) up to `budget` tokens,
-        at least one block; a request's blocks that run with the others as one run, a block that runs alone on its
-        own and last of its request's this step (it runs after the others' forward)."""
-        out, fed = [], 0
-        for r in self.running:
-            start = r.fed
-            while r.fed < len(r.prompt):
-                end = min(len(r.prompt), (r.fed // BLOCK + 1) * BLOCK)
-                if fed and fed + end - r.fed > budget:
-                    break
-                fed += end - r.fed
-                self.metrics["prompt_tokens_total"] += end - r.fed
-                if self.engine.runs_alone(end - r.fed):
-                    if start < r.fed:
-                        out.append((r, start, r.fed, False))
-                    out.append((r, r.fed, end, True))
-                    start = r.fed = end
-                    break
-                r.fed = end
-            if start < r.fed:
-                out.append((r, start, r.fed, False))
-        return out
 
     def alone(self, r: Request, fn, *args):
         """fn(*args), a step of request r's own: if it raises, r ends with the error and the others go on."""
@@ -504,7 +483,7 @@ class Scheduler:
         """Free the request's slot, its positions kept in the prefix cache if it ended well; tell its reader why it
         ended (nothing for a cancelled request)."""
         if reason is not None and error is None:
-            self.cache_prefix(r, r.prompt + r.out if self.exact else r.prompt)
+            self.cache_prefix(r, r.prompt + r.out)
         self.cache.free(r.slot)
         self.running.remove(r)
         if error is not None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode, busy_cores, bytes_per_token,
                         dense_twin, overhead_per_token, prefill_rounds, random_engine, random_gguf,
-                        sequence_rounds, synthetic_predictors, thinned_twin)
+                        sequence_rounds, server_twin, synthetic_predictors, thinned_twin)
 from ref.common.batch import KV_FORMATS
 from ref.common.cli import FORMAT_CHOICE, cache_types, positive_list, user_errors
 from ref.common.config import SHAPES, shape_config
@@ -48,7 +48,7 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
 @click.option("--runs", type=int, default=7, show_default=True, help="Rounds of --tokens steps each, after one warm-up.")
 @click.option("--probe-gib", type=float, default=1.0, show_default=True, help="Size of one read-bandwidth probe pass.")
 @click.option("--pp", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Also time an N-token prompt (prefill), dense and sparse (0: no).")
+              help="Also time an N-token prompt (prefill), dense, sparse, and dense on the server's kernels (0: no).")
 @click.option("--sequences", default="", show_default=False, metavar="B[,B...]",
               help="Also time B sequences decoding together, one forward per step, and B = 1 the same way (comma-separated: a "
                    "curve).")
@@ -109,7 +109,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         rounds = [bracketed_decode(engines, probe, tokens, r, peer, depth, held)
                   for r in range(runs + 1)][1:]  # round 0 compiles
         del held
-        prefill = prefill_rounds(engines, pp, runs, peer) if pp else {}
+        prefill = prefill_rounds({**engines, "server": server_twin(engines["dense"])}, pp, runs, peer) if pp else {}
     together = {B: sequence_rounds(engines, B, tokens, runs) for B in batches}
     names = [*engines, *([LlamaCpp.name] if peer else [])]
     predicting = isinstance(engine.selector, SyntheticSelector)  # not: activation sparsity alone (--sparsity 0)

@@ -70,11 +70,11 @@ class PrefixCache:
             node, i = child, i + m
         return path
 
-    def restore(self, cache: KVCache, seq: int, tokens, limit: int, whole: int = 1) -> int:
-        """The cached positions of the longest cached beginning of `tokens`, at most `limit` and a multiple of
-        `whole`, copied into the empty slot `seq`, which then holds them: how many."""
+    def restore(self, cache: KVCache, seq: int, tokens, limit: int) -> int:
+        """The cached positions of the longest cached beginning of `tokens`, at most `limit`, copied into the empty
+        slot `seq`, which then holds them: how many."""
         path = self.match(tokens)
-        n = min(limit, sum(m for _, m in path)) // whole * whole
+        n = min(limit, sum(m for _, m in path))
         if n <= 0:
             return 0
         cache.reserve(seq, n)
