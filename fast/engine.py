@@ -517,7 +517,8 @@ class Engine(Decoder):
         """Whether the FFN block of several tokens h [T, D] runs as cpu.ffn_batch_block: one chunk on fast.cpu's
         kernels, its sets the predictor's threshold or a pick drawn ahead."""
         sel, T = self.selector, h.shape[0]
-        return (sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK and self.kernels(T, h.shape[1]) is cpu
+        return ((sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK
+                and self.kernels(T, h.shape[1]) is cpu)
 
     def step_layers(self) -> list | None:
         """The per-layer arrays cpu.decode_step reads (cpu.StepLayer's fields but the cache's slots), kept until a

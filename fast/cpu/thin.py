@@ -67,8 +67,8 @@ def add_rows(y, vals, rows, n, w, p, span):
         m += vals[k] != 0
     n = m
     for k in range(0, n - 3, 4):
-        for m in range(k + 4, min(k + 8, n)):
-            prefetch_rows(w, rows[m], p, p + 1, span)
+        for r in range(k + 4, min(k + 8, n)):
+            prefetch_rows(w, rows[r], p, p + 1, span)
         axpy4(y, vals[k], vals[k + 1], vals[k + 2], vals[k + 3], w[rows[k], p], w[rows[k + 1], p], w[rows[k + 2], p],
               w[rows[k + 3], p])
     for k in range(n - n % 4, n):

@@ -17,7 +17,8 @@ it rounded to Q8_0 blocks, as llama.cpp's vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_
 defines: xq int8 quants, xd float32 scales (fp16-rounded), xs each block's correction lanes (block_dot). Their dot
 products are integer sums per block, scaled and accumulated in float32 lanes: LLVM IR written here (`@intrinsic`),
 because numba widens int8 arithmetic to int64 and its loops then stay scalar (measured: 2 GB/s on one core). Axpy
-never quantizes: y += a dequant(w).
+never quantizes: y += a dequant(w), one fma per element (`fma`; a block format's a d rounded first), several rows in
+their order, so that a row adds the same bits into a token's output in every variant.
 
 The package by concern: `layouts` (plain rows, interleaved groups, runs, and the transforms between them), `floats`
 (f16 and bf16 decoding, float tiles), `blocks` (q8_0 and q4_0 block by block), `groups` (eight lanes at a time: groups

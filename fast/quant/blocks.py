@@ -6,8 +6,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fast.quant.ir import (EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _data, _lanes, _prefetch,
-                           _read, _splat, _vec)
+from fast.quant.ir import (EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _data, _lane_sum, _lanes,
+                           _prefetch, _read, _splat, _vec)
 from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, TYPES
 import fast.quant.target as target
 
@@ -110,10 +110,10 @@ def block_dot(typingctx, w, x, xd, xs, reach):
             wp = builder.gep(wp0, [builder.mul(b, I64(bs))])
             xv = _read(builder, builder.gep(xp0, [builder.mul(b, I64(BLOCK))]), _vec(I8, 32))
             dot = _int_dot8(builder, fmt, wp, xv, builder.load(builder.gep(sp0, [b]), align=4))
-            d = builder.fmul(_scale(builder, wp), builder.load(builder.gep(dp0, [b])))
+            d = builder.fmul(_scale(builder, wp), builder.load(builder.gep(dp0, [b])), flags=EXACT)
             dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(F32, 8), None), d, I32(0)),
                                         ir.Constant(_vec(F32, 8), None), _lanes(*[0] * 8))
-            return builder.fmul(builder.sitofp(dot, _vec(F32, 8)), dv, flags=("fast",))
+            return builder.fmul(builder.sitofp(dot, _vec(F32, 8)), dv, flags=EXACT)
 
         def group(g, acc):  # block i of each group into accumulators 8i..8i+7; one line prefetched per 64 bytes
             first = builder.mul(g, I64(GROUP))
@@ -123,15 +123,14 @@ def block_dot(typingctx, w, x, xd, xs, reach):
             t = [term(builder.add(first, I64(i))) for i in range(GROUP)]
             t01 = builder.shuffle_vector(t[0], t[1], _lanes(*range(16)))
             t23 = builder.shuffle_vector(t[2], t[3], _lanes(*range(16)))
-            return builder.fadd(acc, builder.shuffle_vector(t01, t23, _lanes(*range(32))))
+            return builder.fadd(acc, builder.shuffle_vector(t01, t23, _lanes(*range(32))), flags=EXACT)
 
         n_groups = builder.sdiv(n, I64(GROUP))
         acc = _block_loop(builder, n_groups, ir.Constant(_vec(F32, 32), [0.0] * 32), group)
         first = builder.mul(n_groups, I64(GROUP))
         tail = _block_loop(builder, builder.sub(n, first), ir.Constant(_vec(F32, 8), [0.0] * 8),
-                           lambda i, a: builder.fadd(a, term(builder.add(first, i))))
-        return builder.fadd(_call(builder, "llvm.vector.reduce.fadd.v32f32", F32, ir.Constant(F32, -0.0), acc),
-                            _call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0), tail))
+                           lambda i, a: builder.fadd(a, term(builder.add(first, i)), flags=EXACT))
+        return builder.fadd(_lane_sum(builder, acc), _lane_sum(builder, tail), flags=EXACT)
     return types.float32(w, x, xd, xs, reach), codegen
 
 
@@ -159,15 +158,14 @@ def _dot_t_codegen(fmt, n_tokens):
                 tb = builder.add(row, b)
                 xv = _read(builder, builder.gep(xp0, [builder.mul(tb, I64(BLOCK))]), _vec(I8, 32))
                 dot = _int_dot_with(builder, operand, xv, builder.load(builder.gep(sp0, [tb]), align=4))
-                d = builder.fmul(dw, builder.load(builder.gep(dp0, [tb])))
-                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), _broadcast(builder, d), flags=("fast",))
-                out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, i), term, flags=("fast",)), i)
+                d = builder.fmul(dw, builder.load(builder.gep(dp0, [tb])), flags=EXACT)
+                term = builder.fmul(builder.sitofp(dot, _vec(F32, 8)), _broadcast(builder, d), flags=EXACT)
+                out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, i), term, flags=EXACT), i)
             return out
 
         zero = ir.Constant(_vec(F32, 8), [0.0] * 8)
         accs = _block_loop(builder, n, ir.Constant(accs_t, [zero] * n_tokens), body)
-        sums = [_call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0),
-                      builder.extract_value(accs, i)) for i in range(n_tokens)]
+        sums = [_lane_sum(builder, builder.extract_value(accs, i)) for i in range(n_tokens)]
         return context.make_tuple(builder, sig.return_type, sums)
     return codegen
 

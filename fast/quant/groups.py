@@ -7,8 +7,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fast.quant.blocks import AHEAD
-from fast.quant.ir import (F32, I32, I64, _block_loop, _broadcast, _call, _data, _dpbusd, _joined, _lanes, _prefetch,
-                           _read, _splat, _vec)
+from fast.quant.ir import (EXACT, F32, I32, I64, _block_loop, _broadcast, _call, _data, _dpbusd, _joined, _lane_sum,
+                           _lanes, _prefetch, _read, _splat, _vec)
 from fast.quant.layouts import BLOCK, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUNS, RUN_FORMATS
 import fast.quant.target as target
 
@@ -71,7 +71,7 @@ def _group_term(builder, operands, token, d8):
     for k, (operand, word) in enumerate(operands):
         chains[k % 4] = _dpbusd(builder, chains[k % 4], operand, words(word))
     total = builder.add(builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3]))
-    return builder.fmul(builder.sitofp(total, _vec(F32, n)), builder.fmul(d8, xd), flags=("fast",))
+    return builder.fmul(builder.sitofp(total, _vec(F32, n)), builder.fmul(d8, xd, flags=EXACT), flags=EXACT)
 
 
 def _dot8_codegen(fmt, streams, n_tokens, runs=False, ahead=False):
@@ -137,7 +137,7 @@ def _dot8_codegen(fmt, streams, n_tokens, runs=False, ahead=False):
                     i = j * len(tokens) + k
                     term = _group_term(builder, operands, token, d8)
                     out = builder.insert_value(out, builder.fadd(builder.extract_value(accs, i), term,
-                                                                 flags=("fast",)), i)
+                                                                 flags=EXACT), i)
             return out
 
         zero = ir.Constant(lanes_t, [0.0] * lanes_t.count)
@@ -148,8 +148,7 @@ def _dot8_codegen(fmt, streams, n_tokens, runs=False, ahead=False):
             v = builder.extract_value(accs, j * len(tokens) + k)
             return v if width == 1 else builder.shuffle_vector(v, v, _lanes(*range(8 * m, 8 * m + 8)))
         if runs:  # a row's sum across its lanes (blocks)
-            sums = [_call(builder, "llvm.vector.reduce.fadd.v8f32", F32, ir.Constant(F32, -0.0), half(s, k))
-                    for s in range(streams) for k in range(len(tokens))]
+            sums = [_lane_sum(builder, half(s, k)) for s in range(streams) for k in range(len(tokens))]
         else:  # lanes are rows
             sums = [builder.extract_element(half(s, k), I32(r))
                     for s in range(streams) for k in range(len(tokens)) for r in range(ROWS)]

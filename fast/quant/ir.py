@@ -24,6 +24,18 @@ def _lanes(*idx):
     return ir.Constant(_vec(I32, len(idx)), list(idx))
 
 
+def _lane_sum(builder, v):
+    """The sum of the lanes of v (a power of two of them), lane k and lane k + n/2 first, then halving: exact adds
+    (EXACT), so that a sum is the same bits in every kernel (llvm.vector.reduce.fadd is in order without numba's
+    fast-math pass and a tree with it, so two kernels that inline one product differed)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*range(n))),
+                         builder.shuffle_vector(v, v, _lanes(*range(n, 2 * n))), flags=EXACT)
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
 def _data(context, builder, aty, arr):
     """i8* to an array's first element."""
     return builder.bitcast(context.make_array(aty)(context, builder, arr).data, I8.as_pointer())
