@@ -6,7 +6,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from fast.quant.ir import EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _joined, _lanes, _read, _splat, _vec
+from fast.quant.ir import (EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _lanes, _member_sums, _read,
+                           _splat, _vec)
 from fast.quant.layouts import float_kind
 import fast.quant.target as target
 
@@ -91,36 +92,6 @@ def _float_lanes(builder, kind, p, n):
     if kind == "f16":
         return builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), n)), _vec(F32, n))
     return builder.bitcast(builder.shl(builder.zext(bits, _vec(I32, n)), _splat(I32, n, 16)), _vec(F32, n))
-
-
-def _member_sums(builder, vs):
-    """<M x float> whose lane m is the sum of the L lanes of vs[m] (M = 1, 2, 4, 8 or 16 vectors of L = 16 or 8
-    lanes), by one tree for every M: lane k and lane k + L/2 first, then k and k + L/4 of those, ... Pairs of vectors
-    trade halves of each member's lanes and add while there are pairs (16 x 16 lanes: 15 shuffle pairs and adds
-    where 16 separate horizontal sums take 64), then one vector's members halve in place. The adds are exact IEEE
-    adds (EXACT: LLVM may not reorder them), so a product's sum is the same bits whichever rows and tokens
-    share its call."""
-    L, members = vs[0].type.count, 1
-    while members < L and len(vs) > 1:
-        width = L // members  # lanes of each member of a vector at this level
-        half = width // 2
-        lo = [j * width + k for j in range(members) for k in range(half)]
-        hi = [i + half for i in lo]
-        vs = [builder.fadd(builder.shuffle_vector(a, b, _lanes(*lo, *[L + i for i in lo])),
-                           builder.shuffle_vector(a, b, _lanes(*hi, *[L + i for i in hi])), flags=EXACT)
-              for a, b in zip(vs[0::2], vs[1::2])]
-        members *= 2
-    if len(vs) > 1:  # L members of one lane each, in two vectors (16 members of 8-lane vectors)
-        return _joined(builder, vs)
-    v, width = vs[0], L // members
-    while width > 1:
-        half = width // 2
-        lo = [j * width + k for j in range(members) for k in range(half)]
-        hi = [i + half for i in lo]
-        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*lo)), builder.shuffle_vector(v, v, _lanes(*hi)),
-                         flags=EXACT)
-        width = half
-    return v
 
 
 def _float_products(rows, toks, ahead=()):

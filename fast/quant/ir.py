@@ -24,16 +24,41 @@ def _lanes(*idx):
     return ir.Constant(_vec(I32, len(idx)), list(idx))
 
 
+def _member_sums(builder, vs):
+    """<M x float> whose lane m is the sum of the L lanes of vs[m] (M = 1, 2, 4, 8 or 16 vectors of L = 16 or 8
+    lanes), by one tree for every M: lane k and lane k + L/2 first, then k and k + L/4 of those, ... Pairs of vectors
+    trade halves of each member's lanes and add while there are pairs (16 x 16 lanes: 15 shuffle pairs and adds
+    where 16 separate horizontal sums take 64), then one vector's members halve in place. The adds are exact IEEE
+    adds (EXACT: LLVM may not reorder them), so a product's sum is the same bits whichever rows and tokens
+    share its call."""
+    L, members = vs[0].type.count, 1
+    while members < L and len(vs) > 1:
+        width = L // members  # lanes of each member of a vector at this level
+        half = width // 2
+        lo = [j * width + k for j in range(members) for k in range(half)]
+        hi = [i + half for i in lo]
+        vs = [builder.fadd(builder.shuffle_vector(a, b, _lanes(*lo, *[L + i for i in lo])),
+                           builder.shuffle_vector(a, b, _lanes(*hi, *[L + i for i in hi])), flags=EXACT)
+              for a, b in zip(vs[0::2], vs[1::2])]
+        members *= 2
+    if len(vs) > 1:  # L members of one lane each, in two vectors (16 members of 8-lane vectors)
+        return _joined(builder, vs)
+    v, width = vs[0], L // members
+    while width > 1:
+        half = width // 2
+        lo = [j * width + k for j in range(members) for k in range(half)]
+        hi = [i + half for i in lo]
+        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*lo)), builder.shuffle_vector(v, v, _lanes(*hi)),
+                         flags=EXACT)
+        width = half
+    return v
+
+
 def _lane_sum(builder, v):
-    """The sum of the lanes of v (a power of two of them), lane k and lane k + n/2 first, then halving: exact adds
-    (EXACT), so that a sum is the same bits in every kernel (llvm.vector.reduce.fadd is in order without numba's
-    fast-math pass and a tree with it, so two kernels that inline one product differed)."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(*range(n))),
-                         builder.shuffle_vector(v, v, _lanes(*range(n, 2 * n))), flags=EXACT)
-    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+    """The sum of the lanes of v (a power of two of them): _member_sums' tree for one member. llvm.vector.reduce.fadd
+    is in order in a kernel without numba's fast-math pass and a tree in one with it, so two kernels that inline one
+    product differed."""
+    return builder.extract_element(_member_sums(builder, [v]), ir.Constant(ir.IntType(32), 0))
 
 
 def _data(context, builder, aty, arr):
