@@ -14,11 +14,12 @@ import numpy as np
 from numba import njit, prange
 
 from fast import kernel_cache
+from fast.quant.target import ERROR_MODEL
 
 kernel_cache.install()
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def top_candidates(z, k):
     """Ids of the k largest of z [V], most likely first, ties by id: the first k of a stable descending sort."""
     ids = np.empty(k, np.int64)  # [K]
@@ -37,7 +38,7 @@ def top_candidates(z, k):
     return ids
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def softmax_of(z, order, n, scale):
     """softmax(z[order[:n]] * scale) [n], as ref's softmax: exp(x - max x) / sum."""
     e = np.empty(n, np.float64)
@@ -49,7 +50,7 @@ def softmax_of(z, order, n, scale):
     return e / s
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def sample_row(z, u, temperature, top_k, top_p, min_p):
     """One token id from z [V] (float64, penalties applied) and the draw u in [0, 1): ref's `sample`."""
     V = z.size
@@ -85,7 +86,7 @@ def sample_row(z, u, temperature, top_k, top_p, min_p):
     return order[n - 1]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def sample(out, logits, u, temperature, top_k, top_p, min_p):
     """out[b] = ref's sample(logits[b], u[b], temperature[b], top_k[b], top_p[b], min_p[b]) for each row b of B, the
     rows in parallel (each writes its own out[b]). logits: [B, V] float64, or float32 as the model gives them (the

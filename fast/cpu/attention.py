@@ -17,8 +17,8 @@ from numba.extending import intrinsic
 
 from fast.quant import decoded, dot4x4, n_rows, store
 from fast.quant.floats import HEADS, axpy_tile, scores_tile
-from fast.quant.target import FLOAT_LANES as LANES
-from fast.cpu.base import FASTMATH, add_bias, copy_rows, norm, prefetch_row, rope
+from fast.quant.target import EXACT_MATH, ERROR_MODEL, FLOAT_LANES as LANES
+from fast.cpu.base import add_bias, copy_rows, norm, prefetch_row, rope, sum8
 from fast.cpu.matmul import matmul
 
 
@@ -40,7 +40,7 @@ def fma_f32(typingctx, a, b, c):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=EXACT_MATH, inline="always")
 def exp_le0(x):
     """exp(x) in float32 for x <= 0, within 1 ulp (6e-8 relative), in plain arithmetic so that a loop of it
     vectorises (numba's math.exp is a scalar libm call per element: 20 ns a score of decode attention): 2^n e^r with
@@ -76,7 +76,7 @@ def n_splits(n):
     return max(1, (n + SPLIT - 1) // SPLIT)
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def attend(acc, ml, q, k, v, s0, s1):
     """The online softmax of one kv head's positions s0..s1 for the G query heads that read it (GQA's group):
     acc[g] = sum_s p_gs v[s] and ml[g] = (m_g, l_g), p_gs = exp(q[g] . k[s] / sqrt(E) - m_g) with m_g the largest
@@ -113,12 +113,9 @@ def attend(acc, ml, q, k, v, s0, s1):
                 ml[g, 0], ml[g, 1] = m, ml[g, 1] * c
                 for e in range(E):
                     acc[g, e] *= c
-            total = np.float32(0.0)
             for j in range(nb):
-                p = exp_le0(scores[g, j] - m)
-                scores[g, j] = p
-                total += p
-            ml[g, 1] += total
+                scores[g, j] = exp_le0(scores[g, j] - m)
+            ml[g, 1] += sum8(scores[g, :nb], np.float32(0.0))
         vb = decoded(v, b0, nb, vbuf)  # [nb, E]
         for g in range(0, G4, 4):  # four heads' outputs in registers over the block
             axpy_tile(acc, scores, vb, g, nb)
@@ -134,7 +131,7 @@ def attend(acc, ml, q, k, v, s0, s1):
                     acc[g, e] += p0 * vb[j, e]
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=EXACT_MATH, inline="always")
 def scores_of(scores, qs, qt, kb, nb, k, v, ahead, s1):
     """scores[g, j] = qs[g] . kb[j] for j < nb: heads in eights against eight rows at a time (scores_tile: the heads
     in a vector's lanes, so no horizontal sums), the heads left over from the eights in fours against four rows
@@ -180,7 +177,7 @@ def scores_of(scores, qs, qt, kb, nb, k, v, ahead, s1):
             scores[g, j] = a
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=EXACT_MATH, inline="always")
 def merge(out, acc, ml, first, count):
     """out[g] = the softmax's weighted values from `count` partials acc[first + j], ml[first + j] (attend): each
     rescaled to the largest max, out = sum_j c_j acc_j / sum_j c_j l_j, c_j = exp(m_j - m).  out: [G, E]."""
@@ -220,7 +217,7 @@ def item(items, n, K, i):
     return t, (i - items[t]) // ns, j * SPLIT, min(n[t], (j + 1) * SPLIT)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def merge_items(out, acc, ml, items, n):
     """out[t, h] = query t's head h from its work items' partials (merge).  out: [T, H, E]."""
     T, H = out.shape[0], out.shape[1]
@@ -232,7 +229,7 @@ def merge_items(out, acc, ml, items, n):
         merge(out[t, kv * G:(kv + 1) * G], acc, ml, items[t] + kv * ns, ns)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def attention(out, q, k, v, pos0):
     """Causal softmax(q k^T / sqrt(E)) v; query head h reads kv head h // (H/K); query t at position pos0 + t.
 
@@ -261,7 +258,7 @@ def store_kv(cache, x, pos0):
             store(cache[kv, pos0 + t], x[t, kv])
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def causal_logits(s, T, pos0, scale):
     """Row r of each s[k] (query t = r % T at position pos0 + t): scale s - its max over the visible keys 0..pos0+t,
     -inf after them; exp then normalize_rows make it the causal softmax.  s: [K, G T, S] raw scores."""
@@ -278,21 +275,18 @@ def causal_logits(s, T, pos0, scale):
             row[j] = -np.inf
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def normalize_rows(p):
     """p[k, r] /= sum(p[k, r]).  p: [K, R, S]."""
     K, R, S = p.shape
     for kr in prange(K * R):
         row = p[kr // R, kr % R]
-        total = np.float32(0.0)
-        for j in range(S):
-            total += row[j]
-        inv = np.float32(1.0) / total
+        inv = np.float32(1.0) / sum8(row, np.float32(0.0))
         for j in range(S):
             row[j] *= inv
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_cache, v_cache, cos, sin, pos0,
                     eps):
     """out = wo . attention(rope(q), rope(k), v) + bo, [q; k; v] = wqkv . norm(h) + bqkv (each head's q and k
@@ -314,7 +308,7 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo
     add_bias(out, bo)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps):
     """qkv = wqkv . norm(h) + bqkv, every token's row read once.  qkv: [T, (H + 2K) E]; h: [T, D]."""
     x = np.empty_like(h)
@@ -323,7 +317,7 @@ def qkv_proj(qkv, h, attn_norm, attn_norm_b, wqkv, bqkv, eps):
     add_bias(qkv, bqkv)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def qk_norm(qkv, norms, K, eps):
     """Each head's q and k in the rows qkv [T, (H + 2K) E] RMS-normed in place, q's with norms[0] and k's with
     norms[1] (Qwen3's q_norm and k_norm, ref.model's qkv), where norms has rows.  norms: [2, E] or [0, 0]."""
@@ -342,7 +336,7 @@ def qk_norm(qkv, norms, K, eps):
                 x[i] = x[i] * r * w[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     """att = attention(rope(q), rope(k), v) of one sequence's run at positions pos0..pos0+T-1, its keys and values
     appended to the sequence's caches.  att: [T, H E]; qkv: [T, (H + 2K) E]; k_cache, v_cache:
@@ -361,7 +355,7 @@ def self_attention(att, qkv, k_cache, v_cache, cos, sin, pos0):
     copy_rows(att, out.reshape((T, H * E)))
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
     """self_attention for T sequences' one new token each, in one call: token t of sequence seqs[t] at positions[t]
     appends its key and value to that sequence's caches and attends to them.  att: [T, H E]; qkv: [T, (H + 2K) E];
@@ -391,7 +385,7 @@ def decode_attention(att, qkv, k_caches, v_caches, seqs, positions, cos, sin):
     merge_items(att.reshape((T, H, E)), acc, ml, items, n)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def decode_attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo, k_caches, v_caches, seqs,
                            positions, cos, sin, eps):
     """attention_block for T sequences' one new token each (decode_attention), as one compiled call: token t of

@@ -10,45 +10,78 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fast.quant import axpy
+from fast.quant.target import ERROR_MODEL, EXACT_MATH, FASTMATH
 
 
 # FFN kinds as kernel constants (ref.model.ffn_activation's names).
 KINDS = {"relu": 0, "fatrelu": 1, "drelu": 2, "silu": 3, "gelu": 4}
 BLOCKS = {"pre_norm": 0, "post_norm": 1, "parallel": 2, "parallel_shared": 2}  # decode_step's block codes
 
-FASTMATH = True  # vectorised dot products reorder sums; well inside the 1e-4 tolerance (tests check)
 # Every kernel releases the GIL (nogil=True): fast.serve's engine thread runs them while the HTTP event loop answers
 # /health and streams other requests' tokens.
 
+@njit(fastmath=EXACT_MATH, inline="always")
+def dot8(x, y, zero):
+    """sum_i x[i] y[i] over eight running sums (sum k takes i = k, k + 8, ...; the tail sum 0), then added in one
+    fixed tree; the sums start at `zero`, whose type they take. An order of its own, the same in every kernel it is
+    compiled into (EXACT_MATH: no reassociation), which LLVM still vectorises: eight independent lanes.  x, y: [n]."""
+    n = x.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    for i in range(0, n - n % 8, 8):
+        s0 += x[i] * y[i]
+        s1 += x[i + 1] * y[i + 1]
+        s2 += x[i + 2] * y[i + 2]
+        s3 += x[i + 3] * y[i + 3]
+        s4 += x[i + 4] * y[i + 4]
+        s5 += x[i + 5] * y[i + 5]
+        s6 += x[i + 6] * y[i + 6]
+        s7 += x[i + 7] * y[i + 7]
+    for i in range(n - n % 8, n):
+        s0 += x[i] * y[i]
+    return ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))
+
+
+@njit(fastmath=EXACT_MATH, inline="always")
+def sum8(x, zero):
+    """sum_i x[i] in dot8's order.  x: [n]."""
+    n = x.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    for i in range(0, n - n % 8, 8):
+        s0 += x[i]
+        s1 += x[i + 1]
+        s2 += x[i + 2]
+        s3 += x[i + 3]
+        s4 += x[i + 4]
+        s5 += x[i + 5]
+        s6 += x[i + 6]
+        s7 += x[i + 7]
+    for i in range(n - n % 8, n):
+        s0 += x[i]
+    return ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))
+
+
 # rmsnorm and rope run serially: waking the other workers costs 8 to 16 us, more than their whole work at decode.
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def rmsnorm(out, x, w, eps):
     """out = x / sqrt(mean(x^2) + eps) * w.  out, x: [T, D], w: [D]."""
     T, D = x.shape
     for t in range(T):
-        ss = 0.0
-        for d in range(D):
-            ss += x[t, d] * x[t, d]
-        r = 1.0 / math.sqrt(ss / D + eps)
+        r = 1.0 / math.sqrt(dot8(x[t], x[t], 0.0) / D + eps)
         for d in range(D):
             out[t, d] = x[t, d] * r * w[d]
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def layernorm(out, x, w, b, eps):
     """out = (x - mean(x)) / sqrt(var(x) + eps) * w + b.  out, x: [T, D], w, b: [D]."""
     T, D = x.shape
     for t in range(T):
-        m = 0.0
+        m = sum8(x[t], 0.0) / D
         for d in range(D):
-            m += x[t, d]
-        m /= D
-        ss = 0.0
+            out[t, d] = x[t, d] - m  # out may be x
+        r = 1.0 / math.sqrt(dot8(out[t], out[t], 0.0) / D + eps)
         for d in range(D):
-            ss += (x[t, d] - m) * (x[t, d] - m)
-        r = 1.0 / math.sqrt(ss / D + eps)
-        for d in range(D):
-            out[t, d] = (x[t, d] - m) * r * w[d] + b[d]
+            out[t, d] = out[t, d] * r * w[d] + b[d]
 
 
 @njit(inline="always")
@@ -60,7 +93,7 @@ def copy_rows(out, x):
             out[t, j] = x[t, j]
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def norm(out, x, w, b, eps):
     """The norm a layout stores (fast.engine.Layer): none (w empty: out = x), RMSNorm (w), LayerNorm (w and b).
     out may be x.  out, x: [T, D]; w, b: [D] or [0]."""
@@ -72,7 +105,7 @@ def norm(out, x, w, b, eps):
         layernorm(out, x, w, b, eps)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def embed(out, table, ids):
     """out[t] = table[ids[t]] as float32 values: rows of an embedding in any format, the values ref.quant.values
     gives (a q4_0 row through numpy: 80 to 130 us a token, TinyLlama's 2048 wide).  out: [T, W]; ids: [T]."""
@@ -81,7 +114,7 @@ def embed(out, table, ids):
         axpy(out[t], np.float32(1.0), table[ids[t]])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def add_bias(out, b):
     """out[t] += b for every row, where there is a bias (b: [N] or [0]).  out: [T, N]."""
     if b.size:
@@ -89,7 +122,7 @@ def add_bias(out, b):
             for n in range(b.size):
                 out[t, n] += b[n]
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def rope(out, x, cos, sin, pos0):
     """Rotate-half RoPE at positions pos0..pos0+T-1 from precomputed tables.  out, x: [T, h, E]; cos, sin: [P, E/2]."""
     T, nh, E = x.shape
@@ -176,7 +209,7 @@ def sum_chunks(out, acc):
         for n in range(N):
             out[n] += acc[c, n]
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True, error_model=ERROR_MODEL)
 def read_bandwidth_probe(out, a):
     """Sum every row of a [rows, cols] float32 array, several rows in flight per worker: a streaming-read probe."""
     rows, cols = a.shape

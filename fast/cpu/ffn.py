@@ -12,6 +12,7 @@ from fast.quant import (BLOCK, axpy, axpy2t, axpy4, axpy4t, dot, dot2, dot2_2t, 
                         quantize_input)
 from fast.cpu.base import CATS, FASTMATH, activation, add_bias, chunk_bounds, norm, prefetch_rows, sum_chunks
 from fast.cpu.matmul import matmul, put16
+from fast.quant.target import ERROR_MODEL, JIT_OPTIONS
 from fast.cpu.thin import add_rows, sparse_rows
 
 
@@ -108,7 +109,7 @@ def chunk_activations(a, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, t
         a[up[k] - lo] = activation(kind, gates[k], dot(bundle[active[up[k]], 1], x, xq0, xd0, xs0), thr)
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def sparse_ffn_chunk(y, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, thr):
     """y = sparse_ffn over active[lo:hi] (one worker's chunk): the neurons' activations (chunk_activations), then the
     down rows of those whose activation is not 0, in the set's order (add_rows)."""
@@ -120,7 +121,7 @@ def sparse_ffn_chunk(y, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, th
     add_rows(y, a, rows, hi - lo, bundle, bundle.shape[1] - 1, prefetch_span(bundle))
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def sparse_ffn(out, acc, x, bundle, bias, active, n_active, kind, thr):
     """out = sum_{j < n_active} a_i down_i, i = active[j], a_i = a(g_i, u_i) (pre_activations): PowerInfer's
     neuron-aware operator, a neuron's rows read as one contiguous bundle.
@@ -170,7 +171,7 @@ def ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
     formats only."""
 
 
-@overload(ffn_tiles)
+@overload(ffn_tiles, jit_options=JIT_OPTIONS)
 def _ffn_tiles(y, x, bundle, bias, active, lo, hi, mask, kind, thr):
     if not is_float(bundle):
         return lambda y, x, bundle, bias, active, lo, hi, mask, kind, thr: None
@@ -228,7 +229,7 @@ def tiled(bundle):
     """Whether sparse_ffn_batch may run a bundle's rows in tiles (ffn_tiles): float formats."""
 
 
-@overload(tiled)
+@overload(tiled, jit_options=JIT_OPTIONS)
 def _tiled(bundle):
     return (lambda bundle: True) if is_float(bundle) else (lambda bundle: False)
 
@@ -249,7 +250,7 @@ def row_products(out, w, x, xq, xd, xs, tokens, n):
         out[k] = dot(w, x[t], xq[t], xd[t], xs[t])
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, span):
     """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), a neuron at a
     time: its tokens four at a time (each row element loaded once for four tokens). Block formats read the gate row,
@@ -320,7 +321,7 @@ def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr,
             axpy(y[tokens[k]], acts[k], b[P - 1])
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, thr):
     """out[t] = sum over j < n_active with mask[t, j] of a_tj down_i, i = active[j]: each token's sparse FFN
     over its own predicted set, the chunk's neurons (the union of the sets) each read once for all T tokens.
@@ -344,7 +345,7 @@ def sparse_ffn_batch(out, acc, x, bundle, bias, active, n_active, mask, kind, th
     sum_chunks(out.reshape(T * D), acc.reshape((C, T * D)))
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def sparse_ffn_batch_chunk(y, x, xq, xd, xs, bundle, bias, active, n_active, mask, kind, thr, tiles, c, C):
     """y = sparse_ffn_batch's chunk c of C (one worker's, chunk_bounds): tiles, or neurons.  y: [T, D]."""
     y[:] = 0.0
@@ -355,7 +356,7 @@ def sparse_ffn_batch_chunk(y, x, xq, xd, xs, bundle, bias, active, n_active, mas
         ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, prefetch_span(bundle))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def dense_down(out, acc, gu, down, kind, thr):
     """out[t] = sum_i a_ti down_i, a_ti = a(g_ti, u_ti) from gu[t] = (g_t, u_t) over all F neurons: the down half of
     a dense FFN whose gate and up rows ran as one matmul (Engine's dense layout, dense_ffn), as thin.sparse_rows over
@@ -370,7 +371,7 @@ def dense_down(out, acc, gu, down, kind, thr):
     sparse_rows(out, acc, a, down, np.arange(F).astype(np.int32), F)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def activations(a, gu, kind, thr):
     """a[t, i] = a(g_ti, u_ti) from gu[t] = (g_t, u_t) over all F neurons (ref.model.ffn_activation): what a down
     matrix stored as llama.cpp's ffn_down [D, F] (rows of down, not of down^T) multiplies.  a: [T, F]; gu: [T, 2F]."""
@@ -380,7 +381,7 @@ def activations(a, gu, kind, thr):
             a[t, i] = activation(kind, gu[t, i], gu[t, F + i], thr)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def dense_ffn_block(out, acc, h, ffn_norm, ffn_norm_b, gate_up, down, bd, kind, thr, eps):
     """out = dense_down(matmul(norm(h), gate_up)) + bd for one token, as one compiled call.  out, h: [D]; acc: [C, D];
     gate_up: [2F, D] (interleaved groups where its rows allow, fast.quant.for_matmul); down: [F, D]."""
@@ -393,7 +394,7 @@ def dense_ffn_block(out, acc, h, ffn_norm, ffn_norm_b, gate_up, down, bd, kind, 
     add_bias(out.reshape((1, D)), bd)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def gather_values(out, w, ids, n):
     """out[j] = the float32 values of w[ids[j]] for j < n: rows (or neuron bundles) of any format decoded for a BLAS
     product.  out: [>= n, P, K]; w: [N, P, K / block] rows of blocks; ids: [>= n]."""
@@ -406,7 +407,7 @@ def gather_values(out, w, ids, n):
             axpy(y, np.float32(1.0), w[ids[j], p])
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def round_q8_0(out, x):
     """out = x rounded to Q8_0 blocks along its rows (ref.quant.quantize_q8_0, then its values; fast.quant's
     quantize_input rounds with the same q8_0_block): what a q8_0 or q4_0 product reads.  out, x: [T, K]."""
@@ -419,7 +420,7 @@ def round_q8_0(out, x):
                 out[t, b * BLOCK + i] = np.float32(q[i]) * d
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def masked_activation(a, g, u, mask, kind, thr):
     """a[t, j] = a(g[t, j], u[t, j]) where token t computes neuron j (mask), else 0.  a, g, u: [T, U]; mask: [T, >= U]."""
     T, U = g.shape
@@ -427,7 +428,7 @@ def masked_activation(a, g, u, mask, kind, thr):
         for j in range(U):
             a[t, j] = activation(kind, g[t, j], u[t, j], thr) if mask[t, j] != 0 else 0.0
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def ffn_block(out, acc, h, ffn_norm, ffn_norm_b, bundle, bias, bd, active, n_active, kind, thr, eps):
     """out = sparse_ffn(norm(h)) + bd for one token over the given active set, as one compiled call.
     out, h: [D]; bd: [D] or [0]."""
@@ -437,7 +438,7 @@ def ffn_block(out, acc, h, ffn_norm, ffn_norm_b, bundle, bias, bd, active, n_act
     add_bias(out.reshape((1, out.size)), bd)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, given, bundle, bias, bd, chunks, kind, thr,
                     eps):
     """out = sparse_ffn_batch(norm(h)) + bd for T tokens, token t over its predicted set {i : (fc2 . relu(fc1 .
@@ -463,13 +464,13 @@ def ffn_batch_block(out, h, ffn_norm, ffn_norm_b, fc1, fc2, threshold, given, bu
     sparse_ffn_batch(out, np.empty((chunks, T, D), np.float32), x, bundle, bias, union, n, mask, kind, thr)
     add_bias(out, bd)
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def relu_(x):
     for i in range(x.size):
         x.flat[i] = max(x.flat[i], 0.0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def predictor(out, hidden, h, fc1, fc2):
     """out = fc2 . relu(fc1 . h) per token, two matmuls (each weight row read once for all T tokens).
     out: [T, F]; hidden: [T, R] scratch; h: [T, D]; fc1: [R, D]; fc2: [F, R].
@@ -481,7 +482,7 @@ def predictor(out, hidden, h, fc1, fc2):
     matmul(out, hidden, fc2)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def union_mask(union, mask, picked):
     """The union of T tokens' sets as sorted ids into union[:n], and mask[:, :n] = picked's columns of those ids;
     returns n (Engine.active_sets: one call where numpy's any, flatnonzero and take were four; row by row, as picked
@@ -501,7 +502,7 @@ def union_mask(union, mask, picked):
     return n
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def predicted_set(active, logits, threshold):
     """Sorted neuron ids with logit >= threshold into active[:n]; returns n.  active: [>= F].
 

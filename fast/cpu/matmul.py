@@ -8,13 +8,14 @@ from numba.extending import overload
 from fast.quant import (ROWS, block_dot8, block_dot8_4t, block_dot8x2_4t, block_dot8x4, dot, dot4, dot4t, dot4x4,
                         interleaved, is_float, quantize_input)
 from fast.cpu.base import FASTMATH
+from fast.quant.target import ERROR_MODEL, JIT_OPTIONS
 
 
 # Row chunks per matmul: one per MiB of weights (256 KiB per stream: 64 chunks lost 12 % on a predictor's fc1
 # [512, 2048] and 4 % on its fc2 [5632, 512] against 8 or 16), at least 16 to keep 16 cores busy, at most 64.
 MATMUL_CHUNKS = (16, 64, 1 << 18)  # fewest, most, weights per chunk
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def matmul(out, x, w):
     """out = x @ w.T, each weight row read once for all T tokens.  out: [T, N], x: [T, K], w: [N, K] (or a block
     format's [N, K / 32], or its interleaved groups [N / 8, K / 32]: fast.quant.INTERLEAVED).
@@ -81,7 +82,7 @@ def matmul_rows(out, x, w, xq, xd, xs, lo, hi):
     """out[:, rows] = x @ w[rows].T for w's rows lo..hi, or its interleaved groups lo..hi (matmul's chunk)."""
 
 
-@overload(matmul_rows)
+@overload(matmul_rows, jit_options=JIT_OPTIONS)
 def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
     if interleaved(w):
         def groups(out, x, w, xq, xd, xs, lo, hi):

@@ -10,6 +10,7 @@ from fast.cpu.base import norm
 from fast.cpu.matmul import matmul
 from fast.cpu.attention import attention_block, decode_attention_block
 from fast.cpu.ffn import ffn_batch_block, ffn_block, predicted_set, predictor
+from fast.quant.target import ERROR_MODEL
 
 
 # One layer of a decode step as cpu.decode_step reads it (fast.engine.Engine.step_rows builds a typed list of them):
@@ -21,7 +22,7 @@ StepLayer = namedtuple("StepLayer", ["attn_w", "attn_b", "ffn_w", "ffn_b", "post
                                      "fc2",
                                      "k_slots", "v_slots"])
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def decode_step(out, h, layers, seqs, positions, cos, sin, eps, threshold, given, bounds, picks, acc, kind, thr, block,
                 out_w, out_b, lm_head):
     """One new token of each of T sequences (token t of sequence seqs[t] at positions[t]) through every block, in

@@ -7,6 +7,7 @@ from numba import njit, prange
 
 from fast.cpu.base import FASTMATH, activation, chunk_bounds, prefetch_rows, sum_chunks
 from fast.quant import axpy, axpy4, axpy4t
+from fast.quant.target import ERROR_MODEL
 
 
 def kept_py(x, w, t):
@@ -31,7 +32,7 @@ def union_of(ids, out):
     return n
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def thin(out, ids, x, w, t):
     """out = x * (|x| w > t) per token (ref.activation_sparsity.Thinning.thin), and ids[:n] the inputs some token
     keeps (one token's: its own), in order. -> n.  out, x: [T, K]; w: [K] score weights; ids: [K] int32."""
@@ -41,7 +42,7 @@ def thin(out, ids, x, w, t):
     return union_of(ids, out)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def thin_activations(a, ids, gu, bias, kind, thr, w, t):
     """a = the FFN's activations a(g, u) from gu [T, P F] (gated: [g | u]; not: g = gu + bias, u = 1), thinned as
     `thin` does, and the union of the neurons kept. -> n.  a: [T, F]; bias: [F] or [0]; w: [F]; ids: [F] int32."""
@@ -75,7 +76,7 @@ def add_rows(y, vals, rows, n, w, p, span):
         axpy(y, vals[k], w[rows[k], p])
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def sparse_rows_chunk(y, x, wt, ids, lo, hi):
     """y = sparse_rows over ids[lo:hi] (one worker's chunk), each token's rows added in the list's order.  y: [T, N]."""
     T = y.shape[0]
@@ -100,7 +101,7 @@ def sparse_rows_chunk(y, x, wt, ids, lo, hi):
                 axpy(y[toks[k]], vals[k], wt[i])
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def sparse_rows(out, acc, x, wt, ids, n):
     """out[t] = sum_{j < n} x[t, i] W^T[i], i = ids[j]: W x[t] reading only the rows of the stored transpose that the
     listed inputs select (their union, for several tokens), each row read once, a zero input skipping it (rows

@@ -42,6 +42,7 @@ from fast.quant.layouts import (BLOCK, BLOCK_FORMATS, INTERLEAVED, INTERLEAVED_F
                                 LAYOUTS, TYPES, Layout, for_matmul, for_sparse, in_runs, interleave, interleaved,
                                 float_kind, is_float, layout_of, n_rows, plain, to_runs)
 import fast.quant.target as target
+from fast.quant.target import JIT_OPTIONS
 
 # The row operations below, and what the kernels and tests take from the modules.
 __all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS", "Layout", "OFFSET",
@@ -63,7 +64,7 @@ def quantize_input(x, w):
     corrections of its blocks."""
 
 
-@overload(quantize_input)
+@overload(quantize_input, jit_options=JIT_OPTIONS)
 def _quantize_input(x, w):
     if is_float(w):
         return lambda x, w: (np.empty((x.shape[0], 0), np.int8), np.empty((x.shape[0], 0), np.float32),
@@ -91,7 +92,7 @@ def dot4(w0, w1, w2, w3, x, xq, xd, xs):
     """(w0 . x, w1 . x, w2 . x, w3 . x) for one token."""
 
 
-@overload(dot4)
+@overload(dot4, jit_options=JIT_OPTIONS)
 def _dot4(w0, w1, w2, w3, x, xq, xd, xs):
     if is_float(w0):
         return lambda w0, w1, w2, w3, x, xq, xd, xs: fdot4(w0, w1, w2, w3, x)  # four streams (fast.cpu's STREAMS)
@@ -107,7 +108,7 @@ def dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs):
     hints to the caller (hints_ahead)."""
 
 
-@overload(dot4_ahead)
+@overload(dot4_ahead, jit_options=JIT_OPTIONS)
 def _dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs):
     if in_runs(w0):
         return lambda w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs: run_dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, xq,
@@ -119,7 +120,7 @@ def hints_ahead(bundle) -> bool:
     """Whether dot4_ahead hints the rows ahead itself for this bundle's rows (rows in runs)."""
 
 
-@overload(hints_ahead)
+@overload(hints_ahead, jit_options=JIT_OPTIONS)
 def _hints_ahead(bundle):
     return (lambda bundle: True) if in_runs(bundle) else (lambda bundle: False)
 
@@ -128,7 +129,7 @@ def dot(w, x, xq, xd, xs):
     """w . x for one token."""
 
 
-@overload(dot)
+@overload(dot, jit_options=JIT_OPTIONS)
 def _dot(w, x, xq, xd, xs):
     if is_float(w):
         return lambda w, x, xq, xd, xs: fdot(w, x)[0]
@@ -142,7 +143,7 @@ def dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
     """(w . x[t0], ..., w . x[t3]): one row against four tokens of x [T, K], the row read once."""
 
 
-@overload(dot4t)
+@overload(dot4t, jit_options=JIT_OPTIONS)
 def _dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
     if is_float(w):
         return lambda w, x, xq, xd, xs, t0, t1, t2, t3: fdot4t(w, x[t0], x[t1], x[t2], x[t3])
@@ -157,7 +158,7 @@ def dot2t(w, x, xq, xd, xs, t0, t1):
     """(w . x[t0], w . x[t1]): one row against two tokens of x [T, K], the row read once."""
 
 
-@overload(dot2t)
+@overload(dot2t, jit_options=JIT_OPTIONS)
 def _dot2t(w, x, xq, xd, xs, t0, t1):
     if is_float(w):
         return lambda w, x, xq, xd, xs, t0, t1: fdot2t(w, x[t0], x[t1])
@@ -175,7 +176,7 @@ def dot2(w0, w1, x, xq, xd, xs):
     """(w0 . x, w1 . x) for one token."""
 
 
-@overload(dot2)
+@overload(dot2, jit_options=JIT_OPTIONS)
 def _dot2(w0, w1, x, xq, xd, xs):
     if is_float(w0):
         return lambda w0, w1, x, xq, xd, xs: fdot2(w0, w1, x)
@@ -186,7 +187,7 @@ def dot2_2t(w0, w1, x, xq, xd, xs, t0, t1):
     """(w0 . x[t0], w0 . x[t1], w1 . x[t0], w1 . x[t1]): two rows against two tokens of x [T, K]."""
 
 
-@overload(dot2_2t)
+@overload(dot2_2t, jit_options=JIT_OPTIONS)
 def _dot2_2t(w0, w1, x, xq, xd, xs, t0, t1):
     if is_float(w0):
         return lambda w0, w1, x, xq, xd, xs, t0, t1: fdot2_2t(w0, w1, x[t0], x[t1])
@@ -202,7 +203,7 @@ def dot2_4t(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
     """(w0 . x[t0], ..., w0 . x[t3], w1 . x[t0], ..., w1 . x[t3]): two rows against four tokens of x [T, K]."""
 
 
-@overload(dot2_4t)
+@overload(dot2_4t, jit_options=JIT_OPTIONS)
 def _dot2_4t(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
     if is_float(w0):
         return lambda w0, w1, x, xq, xd, xs, t0, t1, t2, t3: fdot2_4t(w0, w1, x[t0], x[t1], x[t2], x[t3])
@@ -218,7 +219,7 @@ def axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
     """y[t0] += a0 w, ..., y[t3] += a3 w: one row into four tokens' outputs, the row read once."""
 
 
-@overload(axpy4t)
+@overload(axpy4t, jit_options=JIT_OPTIONS)
 def _axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
     if is_float(w):
         def floats(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
@@ -238,7 +239,7 @@ def axpy2t(y, t0, t1, a0, a1, w):
     """y[t0] += a0 w, y[t1] += a1 w: one row into two tokens' outputs, the row read once."""
 
 
-@overload(axpy2t)
+@overload(axpy2t, jit_options=JIT_OPTIONS)
 def _axpy2t(y, t0, t1, a0, a1, w):
     if is_float(w):
         def floats(y, t0, t1, a0, a1, w):
@@ -254,7 +255,7 @@ def axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
     """y += a0 w0 + a1 w1 + a2 w2 + a3 w3: axpy four times, in order (the same bits)."""
 
 
-@overload(axpy4)
+@overload(axpy4, jit_options=JIT_OPTIONS)
 def _axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
     if is_float(w0):
         def floats(y, a0, a1, a2, a3, w0, w1, w2, w3):
@@ -269,7 +270,7 @@ def axpy(y, a, w):
     """y += a w, each element rounded once (fma; a block format's a d first, blocks._fma_block)."""
 
 
-@overload(axpy)
+@overload(axpy, jit_options=JIT_OPTIONS)
 def _axpy(y, a, w):
     if is_float(w):
         def floats(y, a, w):
@@ -284,7 +285,7 @@ def store(row, x):
     ref.quant.quantize_q8_0 makes them (a KV cache's write).  row: [n / block]; x: [n] float32."""
 
 
-@overload(store)
+@overload(store, jit_options=JIT_OPTIONS)
 def _store(row, x):
     if row.dtype == types.float32:
         def f32(row, x):
@@ -316,7 +317,7 @@ def decoded(rows, first, n, scratch):
     decoded into scratch [>= n, E] (y = 0 + 1 w, axpy: what ref.quant.values gives)."""
 
 
-@overload(decoded)
+@overload(decoded, jit_options=JIT_OPTIONS)
 def _decoded(rows, first, n, scratch):
     if rows.dtype == types.float32:
         return lambda rows, first, n, scratch: rows[first:first + n]
@@ -349,7 +350,7 @@ def prefetch_span(bundle):
     GB/s); a float format's first line only (its rows are long enough for the hardware prefetcher)."""
 
 
-@overload(prefetch_span)
+@overload(prefetch_span, jit_options=JIT_OPTIONS)
 def _prefetch_span(bundle):
     if is_float(bundle):
         return lambda bundle: 64

@@ -17,6 +17,7 @@ import numpy as np
 
 from fast import kernel_cache
 from fast.pages import on_huge_pages
+from fast.quant.target import ERROR_MODEL, JIT_OPTIONS
 from ref.common.formats import FORMATS, Format
 
 kernel_cache.install()  # before the kernels below are defined
@@ -107,7 +108,7 @@ def n_rows(w) -> int:
     return w.shape[0] * layout_of(w).rows
 
 
-@overload(n_rows)
+@overload(n_rows, jit_options=JIT_OPTIONS)
 def _n_rows(w):
     per = ROWS if interleaved(w) else 1
     return lambda w: w.shape[0] * per
@@ -128,7 +129,7 @@ def interleave(*parts: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def interleave_bytes(out, src, flip):
     """out [G, B, ROWS * S] <- src [G ROWS, B, S] (S bytes a block: a 2-byte scale, then quants): per group and
     block, the ROWS scales, then each 4-byte word k of the rows in turn (quants ^ flip). A loop over bytes: numpy's

@@ -41,3 +41,19 @@ def float_lanes() -> int:
 
 
 FLOAT_LANES = float_lanes()
+
+
+# Every function numba compiles on its own (not inlined into its caller) names the two flags it would otherwise take
+# from its first caller (numba.core.cpu's inherit_if_not_set): fast-math, and the error model (a prange body's
+# callees get numpy's, a serial caller's python's, whose zero-division checks change how LLVM vectorises and so
+# reassociates). A callee compiles once per process and numba's cache records neither, so a kernel's arithmetic would
+# depend on which kernel compiled a callee first, in which process.
+FASTMATH = True  # vectorised dot products reorder sums; well inside the 1e-4 tolerance (tests check)
+# The fast-math flags that change no finite result (no NaNs or infinities assumed, zeros' signs ignored; nothing
+# reassociated, fused or approximated): a function compiled with them rounds as its source says in whatever kernel
+# LLVM inlines it into, and alike in code numba compiled in this process and in code its cache loaded (with 'fast'
+# the two can differ: a softmax's sum vectorised one way or the other). The norms and attention, whose results a
+# token's prefill and decode kernels must share to the bit, use them.
+EXACT_MATH = {"nnan", "ninf", "nsz"}
+ERROR_MODEL = "numpy"  # division by zero gives inf or nan, as in numpy, with no check in the loops
+JIT_OPTIONS = {"fastmath": FASTMATH, "error_model": ERROR_MODEL}  # the row operations' overloads (jit_options)

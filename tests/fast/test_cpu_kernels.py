@@ -52,6 +52,42 @@ def test_a_kernels_cache_is_stale_when_any_kernel_source_changes(tmp_path, monke
     assert all(issubclass(c, kernel_cache.KernelSources) for c in caching.CacheImpl._locator_classes[:3])
 
 
+LOADED_OR_COMPILED = """
+import sys
+import numpy as np
+from fast import cpu
+from ref.quant import blocks, quantize
+rng = np.random.default_rng(0)
+H, K, E, S = 8, 4, 32, 400
+x = rng.standard_normal((64, 2048)).astype(np.float32)
+out = [np.empty_like(x)]
+cpu.rmsnorm(out[0], x, rng.standard_normal(2048).astype(np.float32), 1e-5)
+for T, pos0 in [(1, 0), (60, 0), (96, 100), (7, 300)]:
+    kv = [blocks(quantize(rng.standard_normal((K * S, E)).astype(np.float32), "q8_0")).reshape(K, S, -1) for _ in "kv"]
+    out.append(np.empty((T, H, E), np.float32))
+    cpu.attention(out[-1], rng.standard_normal((T, H, E)).astype(np.float32), *kv, pos0)
+np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
+"""
+
+
+def test_a_kernel_loaded_from_numbas_cache_gives_the_bits_it_compiled_to(tmp_path):
+    """The norms and attention, compiled in one process and loaded from numba's cache in the next, give the same bits
+    (with 'fast' flags a q8_0 attention differed in 4 % of its outputs by an ulp: LLVM had vectorised the softmax's
+    sum one way in the kernel as compiled and another in the one the cache held)."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tests.helpers import ROOT
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    for run in ("compiled", "loaded"):
+        subprocess.run([sys.executable, "-c", LOADED_OR_COMPILED, str(tmp_path / run)], cwd=ROOT, env=env,
+                       check=True, timeout=600)
+    assert np.array_equal(np.load(tmp_path / "compiled.npy"), np.load(tmp_path / "loaded.npy"))
+
+
 def test_a_run_that_compiles_says_so_once():
     """first_compile calls back once when a kernel of fast/ compiles (not for numba's own helpers or other code,
     nor for a kernel loaded from the cache)."""
@@ -141,6 +177,34 @@ def test_input_rounding_is_exact_inside_fastmath_kernels():
     want = quantize_q8_0(near.reshape(-1, 32))[:, 2:].view(np.int8).reshape(8, 256)
     w = blocks(quantize(np.zeros((1, 256), np.float32), "q8_0"))[0]
     assert np.array_equal(quants(near, w), want)
+
+
+def test_every_compiled_function_names_the_flags_it_would_inherit():
+    """Every numba function and overload of fast/ that compiles on its own (not inlined into its caller) names its
+    fastmath flag and error model: numba compiles one that names none with its first caller's (a prange body's
+    callees numpy's error model), once per process, so a kernel's arithmetic would depend on which kernel compiled
+    first, in which process (and whose cache it loads)."""
+    import importlib
+    import pkgutil
+    import sys
+
+    from numba.core.registry import CPUDispatcher
+    from numba.core.typing.templates import builtin_registry
+
+    import fast
+    for m in pkgutil.walk_packages(fast.__path__, "fast."):
+        if m.name != "fast.__main__":
+            importlib.import_module(m.name)
+    named = {"fastmath", "error_model"}
+    unnamed = [f"{d.py_func.__module__}.{d.__name__}" for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("fast.") for d in vars(m).values()
+               if isinstance(d, CPUDispatcher) and d.py_func.__module__ == m.__name__
+               and not named <= set(d.targetoptions) and d.targetoptions.get("inline") != "always"]
+    overloads = [t for t in builtin_registry.functions if getattr(t, "_overload_func", None) is not None
+                 and (t._overload_func.__module__ or "").startswith("fast.")]
+    unnamed += [f"{t._overload_func.__module__}.{t._overload_func.__name__}" for t in overloads
+                if not named <= set(t._jit_options) and not t._inline.is_always_inline]
+    assert len(overloads) >= 20 and not unnamed, unnamed
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0"])

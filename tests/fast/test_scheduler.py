@@ -173,7 +173,7 @@ def test_a_failing_request_fails_alone(poison):
 
 
 @pytest.mark.parametrize("kv, sparse, gemm", [("f32", False, False), ("f16", True, False), ("bf16", False, True),
-                                              ("q8_0", False, False), ("q8_0", False, True)])
+                                              ("q8_0", False, False), ("q8_0", True, False), ("q8_0", True, True)])
 def test_a_seeded_request_gives_the_same_text_alone_beside_others_and_again(kv, sparse, gemm, monkeypatch):
     """Seeded sampling (temperature 0.9), prompts of 15 to 250 tokens, 120 tokens each: each request's text alone;
     then all eight at once in four slots (later ones arriving while others decode, prompt chunks beside decodes);
