@@ -19,7 +19,7 @@ import numpy as np
 
 from ref.common.batch import Batch, KVCache, advance, check_batch
 from ref.common.checkpoint import load_checkpoint
-from ref.common.config import ModelConfig
+from ref.common.config import ModelConfig, rope_frequencies
 from ref.common.errors import UserError
 from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits
@@ -37,25 +37,6 @@ def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nda
     """(x - mean(x)) / sqrt(var(x) + eps) * w + b, per row.  x: [T, D], w, b: [D]."""
     c = x - np.mean(x, axis=-1, keepdims=True)
     return c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + eps) * w + b
-
-
-def rope_frequencies(E: int, theta: float, scaling: tuple = ()) -> np.ndarray:
-    """f_i = theta^(-2i/E) in float64, scaled as transformers' rope_init_functions do: 'linear' f / factor;
-    'llama3' f / factor for wavelengths 2 pi / f above original / low, f below original / high, and between them
-    (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low); 'factors' f_i / d_i (llama.cpp's
-    rope_freqs, Llama-3's scaling as its converter stores it).  -> [E/2]."""
-    f = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)  # [E/2]
-    if not scaling:
-        return f
-    if scaling[0] == "linear":
-        return f / scaling[1]
-    if scaling[0] == "factors":
-        return f / np.array(scaling[1:])
-    _, factor, low, high, original = scaling  # llama3
-    wavelength = 2 * np.pi / f
-    s = (original / wavelength - low) / (high - low)
-    mid = (1 - s) * f / factor + s * f
-    return np.where(wavelength > original / low, f / factor, np.where(wavelength < original / high, f, mid))
 
 
 def rope_angles(pos: np.ndarray, E: int, theta: float, scaling: tuple = ()) -> np.ndarray:

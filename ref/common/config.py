@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ref.common.errors import UserError
 
 MAX_INT = 2**31 - 1  # any count or size: the kernels index with int32
@@ -349,3 +351,22 @@ def shape_config(name: str, layers: int | None = None, hidden_act: str = "relu",
     if layers:
         raw["num_hidden_layers"] = layers
     return ModelConfig.from_dict(raw, source=f"--shape {name}")
+
+
+def rope_frequencies(E: int, theta: float, scaling: tuple = ()) -> np.ndarray:
+    """f_i = theta^(-2i/E) in float64, scaled as transformers' rope_init_functions do: 'linear' f / factor;
+    'llama3' f / factor for wavelengths 2 pi / f above original / low, f below original / high, and between them
+    (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low); 'factors' f_i / d_i (llama.cpp's
+    rope_freqs, Llama-3's scaling as its converter stores it).  -> [E/2]."""
+    f = theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)  # [E/2]
+    if not scaling:
+        return f
+    if scaling[0] == "linear":
+        return f / scaling[1]
+    if scaling[0] == "factors":
+        return f / np.array(scaling[1:])
+    _, factor, low, high, original = scaling  # llama3
+    wavelength = 2 * np.pi / f
+    s = (original / wavelength - low) / (high - low)
+    mid = (1 - s) * f / factor + s * f
+    return np.where(wavelength > original / low, f / factor, np.where(wavelength < original / high, f, mid))

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ref.common.artifacts import Predictors, Thresholds, check_predictor_shapes, replace_file
-from ref.common.config import ModelConfig
+from ref.common.config import ModelConfig, rope_frequencies
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS, Format
 from ref.common.names import GGUF_ARCHITECTURES, expected_shapes, gguf_name
@@ -444,7 +444,6 @@ def rope_freqs(cfg: ModelConfig) -> list[Planned]:
     llama.cpp's converter writes it; none for the others."""
     if cfg.rope_scaling[:1] not in (("llama3",), ("factors",)):
         return []
-    from ref.model import rope_frequencies
     f = rope_frequencies(cfg.head_dim, cfg.rope_theta) / rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     return [Planned(ROPE_FREQS, f.shape, FORMATS["f32"], lambda: f.astype(np.float32))]
 
