@@ -20,6 +20,14 @@ def blocks() -> list[tuple[str, str, str]]:
 RUNNABLE = [(lang, code) for marker, lang, code in blocks() if lang in ("bash", "python") and not marker]
 
 
+def test_readme_is_one_page_whose_links_lead_somewhere():
+    """A user's page (300 lines at most: the rest lives in docs/), every relative link to a file that exists."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    links = re.findall(r"\]\(([^)#:]+)\)", text)
+    assert len(links) >= 4 and [link for link in links if not (ROOT / link).exists()] == []
+
+
 def test_every_block_is_runnable_text_or_says_why_not():
     assert {lang for _, lang, _ in blocks()} <= {"bash", "python", "text"}
     assert len(RUNNABLE) >= 4  # generate, Python, convert, perplexity
