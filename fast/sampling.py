@@ -3,8 +3,8 @@ Numpy's per-call overhead made one draw from V = 4096 logits cost 50 us in `ref.
 the server's per-token time at 16 requests; here it is a few microseconds.
 
 Same chain, same candidates and order (most likely first, ties by id): top-k -> top-p -> min-p -> temperature ->
-draw. Penalties depend on each request's history and are applied to its row before (`ref.common.sampling`'s
-`apply_repeat_penalty`, the server's presence/frequency penalties). The draw is the caller's `rng.random()`, one
+draw. A request's logits processors (`ref.common.sampling.Processor`: its penalties, which read its history) are
+applied to its row before. The draw is the caller's `rng.random()`, one
 per row whose temperature is above 0 (the one draw `sample` makes), so a request's tokens follow its own seed.
 
 Dimensions: B rows, V vocab, K candidates (top-k, or V).

@@ -30,7 +30,7 @@ from fast.sampling import sample as fast_sample
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.prefix import PrefixCache
-from ref.common.sampling import REPEAT_LAST_N, apply_repeat_penalty, check_keep, shift_keep
+from ref.common.sampling import REPEAT_LAST_N, check_keep, penalties, processed, shift_keep
 
 
 @dataclass
@@ -136,9 +136,14 @@ class Request:
     logprobs: list = field(default_factory=list)
     stream: TextStream | None = None
     rng: np.random.Generator | None = None
+    processors: list = field(init=False)  # its logits processors (ref.common.sampling), from its params
     queued_at: float = 0.0
     started_at: float = 0.0
     first_token_at: float = 0.0
+
+    def __post_init__(self):
+        p = self.params
+        self.processors = penalties(p.repeat_penalty, p.repeat_last_n, p.presence_penalty, p.frequency_penalty)
 
 
 def cache_budget(mib: float | None) -> int:
@@ -169,17 +174,6 @@ def logprob_entries(logits: np.ndarray, token: int, top: int) -> dict:
     best = np.argsort(-lp, kind="stable")[:top]
     return {"token": token, "logprob": float(lp[token]),
             "top": [(int(i), float(lp[i])) for i in best]}
-
-
-def penalized(logits: np.ndarray, out: list[int], presence: float, frequency: float) -> np.ndarray:
-    """OpenAI's presence and frequency penalties over the tokens generated so far: logit -= presence [count > 0] +
-    frequency count."""
-    if not (presence or frequency) or not out:
-        return logits
-    logits = logits.astype(np.float64)
-    for tok, n in Counter(out).items():
-        logits[tok] -= presence + frequency * n
-    return logits
 
 
 class Scheduler:
@@ -423,12 +417,10 @@ class Scheduler:
         if not reqs:  # a step of prompt chunks only
             return out
         ps = [r.params for r in reqs]
-        rows = [i for i, p in enumerate(ps) if p.presence_penalty or p.frequency_penalty or p.repeat_penalty != 1.0]
+        rows = [i for i, r in enumerate(reqs) if r.processors]
         z = logits.astype(np.float64) if rows else logits  # [B, V]: float32 samples alike (fast.sampling.sample)
         for i in rows:
-            r, p = reqs[i], ps[i]
-            z[i] = penalized(z[i], r.out, p.presence_penalty, p.frequency_penalty)
-            z[i] = apply_repeat_penalty(z[i], r.prompt + r.out, p.repeat_penalty, p.repeat_last_n)
+            z[i] = processed(reqs[i].processors, z[i], reqs[i].prompt, reqs[i].out)
         u = np.array([r.rng.random() if p.temperature > 0 else 0.0 for r, p in zip(reqs, ps)])  # [B] each one draw
         fast_sample(out, z, u, np.array([p.temperature for p in ps], np.float64),
                     np.array([p.top_k for p in ps], np.int64), np.array([p.top_p for p in ps], np.float64),
@@ -443,6 +435,8 @@ class Scheduler:
         if t in self.tokenizer.eos_ids and not p.ignore_eos:
             return self.finish(r, "stop")
         r.out.append(t)
+        for processor in r.processors:
+            processor.accept(t)
         self.metrics["tokens_predicted_total"] += 1
         if p.logprobs:
             r.logprobs.append(logprob_entries(logits, t, p.logprobs))

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ref.common.safetensors import write_safetensors
+from ref.common.sampling import Processor
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "data" / "tiny-relu-llama"
@@ -158,3 +159,18 @@ def serve_requests(sched, requests, timeout: float = 120) -> list[list]:
         sched.submit(r)
     assert done.wait(timeout)
     return [events[id(r)] for r in requests]
+
+
+class Ban(Processor):
+    """A logits processor with state: `token` never drawn, and `seen` every token it is told was taken."""
+
+    def __init__(self, token: int):
+        self.token, self.seen = token, []
+
+    def __call__(self, z, prompt, out):
+        z = z.copy()
+        z[self.token] = -np.inf
+        return z
+
+    def accept(self, token):
+        self.seen.append(token)

@@ -1,10 +1,11 @@
 """Samplers (llama.cpp's chain and defaults) and the decode loop, shared by every engine.
 
-Chain order as llama.cpp: repeat penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+Chain order as llama.cpp: logits processors (penalties) -> top-k -> top-p -> min-p -> temperature -> draw.
 Dimensions: V vocab.
 """
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,15 +76,69 @@ def apply_repeat_penalty(logits: np.ndarray, history, penalty: float, last_n: in
     return out
 
 
+class Processor:
+    """One request's change to its next token's logits before the sampler draws (a penalty; a logit bias or a
+    grammar's mask would be others): z [V] float64 -> z, from the request's prompt and the tokens it has taken;
+    `accept(token)` after each token it takes, for a processor that keeps state (a grammar's position)."""
+
+    def __call__(self, z: np.ndarray, prompt: list[int], out: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def accept(self, token: int) -> None:
+        """Nothing to advance: the penalties read the history they are given."""
+
+
+@dataclass(frozen=True)
+class RepeatPenalty(Processor):
+    """llama.cpp's repeat penalty over the last `last_n` tokens of prompt and output (apply_repeat_penalty)."""
+
+    penalty: float
+    last_n: int = REPEAT_LAST_N
+
+    def __call__(self, z, prompt, out):
+        return apply_repeat_penalty(z, prompt + out, self.penalty, self.last_n)
+
+
+@dataclass(frozen=True)
+class PresencePenalty(Processor):
+    """OpenAI's presence and frequency penalties over the output: logit -= presence [count > 0] + frequency count."""
+
+    presence: float
+    frequency: float
+
+    def __call__(self, z, prompt, out):
+        if not out:
+            return z
+        z = z.copy()
+        for tok, n in Counter(out).items():
+            z[tok] -= self.presence + self.frequency * n
+        return z
+
+
+def penalties(repeat_penalty=1.0, repeat_last_n=REPEAT_LAST_N, presence=0.0, frequency=0.0) -> list[Processor]:
+    """The processors these settings ask for, in their order (presence and frequency, then repeat); none that would
+    change nothing."""
+    return ([PresencePenalty(presence, frequency)] if presence or frequency else []) + (
+        [RepeatPenalty(repeat_penalty, repeat_last_n)] if repeat_penalty != 1.0 else [])
+
+
+def processed(processors, logits: np.ndarray, prompt: list[int], out: list[int]) -> np.ndarray:
+    """logits [V] through each processor in order, in float64 (the logits as they are where there is none)."""
+    z = np.asarray(logits, dtype=np.float64) if processors else logits
+    for processor in processors:
+        z = processor(z, prompt, out)
+    return z
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
 
 
-def sample(logits: np.ndarray, history, rng: np.random.Generator, temperature=0.0, top_k=40, top_p=0.95,
-           min_p=0.05, repeat_penalty=1.0, repeat_last_n=REPEAT_LAST_N) -> int:
-    """One token id from logits [V]; temperature 0 is greedy (argmax after the repeat penalty)."""
-    logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float64), history, repeat_penalty, repeat_last_n)  # [V]
+def sample(logits: np.ndarray, rng: np.random.Generator, temperature=0.0, top_k=40, top_p=0.95,
+           min_p=0.05) -> int:
+    """One token id from logits [V] (processed: `processed`); temperature 0 is greedy (argmax)."""
+    logits = np.asarray(logits, dtype=np.float64)  # [V]
     if temperature == 0:
         return int(np.argmax(logits))
     if 0 < top_k < len(logits):  # a stable sort's first k, found by a partition (a full sort costs 6x)
@@ -117,12 +172,14 @@ class Timings:
 
 def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
              seed=None, ctx_size=None, on_token=None, timings: Timings | None = None, repeat_last_n=REPEAT_LAST_N,
-             ignore_eos=False, batch_size=512, stop_ids=None, context_shift=False, keep=0) -> list[int]:
+             ignore_eos=False, batch_size=512, stop_ids=None, context_shift=False, keep=0,
+             processors=()) -> list[int]:
     """New token ids after the prompt `ids`; stops at EOS (any of `stop_ids`, default the config's; not returned;
     never with `ignore_eos`), after
     `max_new_tokens` (-1: no limit), or when prompt and output fill the context. `timings.stop` says which. With
     `context_shift` a full context does not stop it: the model's `shift` keeps the first `keep` positions (-1: the
-    prompt's) and drops half of the rest (llama.cpp's --context-shift, --keep).
+    prompt's) and drops half of the rest (llama.cpp's --context-shift, --keep). `processors` change each next token's
+    logits after the penalties (`Processor`: a bias, a grammar's mask), each told every token taken.
 
     `model` is any engine with `config`, `new_cache(capacity)`, `forward(batch, cache) -> logits [T, V]` (and
     `shift(cache, seq, keep, discard)` for a context shift); the prompt goes through it `batch_size` tokens at a
@@ -141,7 +198,7 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
         return []
     keep = shift_keep(len(ids), ctx, keep) if context_shift else 0
     limit = (-1 if context_shift else ctx - len(ids)) if max_new_tokens < 0 else max_new_tokens
-    rng = np.random.default_rng(seed)
+    rng, chain = np.random.default_rng(seed), penalties(repeat_penalty, repeat_last_n) + list(processors)
     cache = model.new_cache(ctx if limit < 0 else min(ctx, len(ids) + limit))
     t0 = time.perf_counter()
     for i in range(0, len(ids), batch_size):
@@ -151,11 +208,13 @@ def generate(model, ids, max_new_tokens, temperature=0.0, top_k=40, top_p=0.95, 
     t0 = time.perf_counter()
     try:
         while True:
-            tok = sample(logits, ids + out, rng, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+            tok = sample(processed(chain, logits, ids, out), rng, temperature, top_k, top_p, min_p)
             if tok in stop_ids and not ignore_eos:
                 timings.stop = "eos"
                 break
             out.append(tok)
+            for processor in chain:
+                processor.accept(tok)
             if on_token is not None:
                 on_token(tok)
             held = int(cache.lengths[0])  # `tok` goes to position `held`

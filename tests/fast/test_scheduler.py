@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from fast.sampling import sample
-from fast.scheduler import Params, Request, Scheduler, TextStream, penalized
-from ref.common.sampling import sample as ref_sample
+from fast.scheduler import Params, Request, Scheduler, TextStream
+from ref.common.sampling import penalties, processed, sample as ref_sample
 from ref.common.tokenizer import load_tokenizer
-from tests.helpers import FAMILIES, SHIPPED, serve_requests, write_gguf
+from tests.helpers import FAMILIES, SHIPPED, Ban, serve_requests, write_gguf
 
 
 class Draw:
@@ -38,7 +38,7 @@ def test_sampler_matches_ref(V, ties, dtype):
     u = rng.random(B)
     out = np.full(B, -1, np.int64)
     sample(out, z, u, temperature, top_k, top_p, min_p)
-    expected = [ref_sample(z[b], [], Draw(u[b]), temperature[b], top_k[b], top_p[b], min_p[b]) for b in range(B)]
+    expected = [ref_sample(z[b], Draw(u[b]), temperature[b], top_k[b], top_p[b], min_p[b]) for b in range(B)]
     assert out.tolist() == expected
 
 
@@ -70,9 +70,9 @@ def test_scheduler_samples_each_request_as_ref_does():
             logits[b, 7 + 2 * b], logits[b, 8 + 2 * b] = 10.0, 9.0
             r.prompt, r.out = histories[b]
         reqs.append(r)
-    want = [ref_sample(penalized(z, r.out, r.params.presence_penalty, r.params.frequency_penalty), r.prompt + r.out,
-                       np.random.default_rng(r.params.seed), r.params.temperature, r.params.top_k, r.params.top_p,
-                       r.params.min_p, r.params.repeat_penalty, r.params.repeat_last_n) for r, z in zip(reqs, logits)]
+    want = [ref_sample(processed(penalties(p.repeat_penalty, p.repeat_last_n, p.presence_penalty, p.frequency_penalty),
+                                 z, r.prompt, r.out), np.random.default_rng(p.seed), p.temperature, p.top_k, p.top_p,
+                       p.min_p) for r, p, z in ((r, r.params, z) for r, z in zip(reqs, logits))]
     assert want[:4] == [8, 10, 12, 13]
     assert Scheduler.sample(reqs, logits).tolist() == want
     assert Scheduler.sample([], logits[:0]).shape == (0,)  # a step of prompt chunks only samples nothing
@@ -170,6 +170,27 @@ def test_a_failing_request_fails_alone(poison):
     for got, want in zip(together[:2] + together[3:], alone):
         assert got[-1][0] == "done" and got[-1][2]["completion_tokens"] == 12
         assert [e[:2] for e in got[:-1]] == [e[:2] for e in want[:-1]]
+
+
+def test_a_requests_logits_processor_changes_its_tokens_alone():
+    """A request's own processor (ref.common.sampling.Processor) changes its tokens and hears each one it takes; the
+    request beside it gives its tokens alone."""
+    from fast.load import load_engine
+    tok = load_tokenizer(SHIPPED)
+    engine = load_engine(SHIPPED, threads=1)
+    greedy, prompt = Params(temperature=0.0, max_tokens=10, ignore_eos=True), tok.encode("Once upon a time")
+
+    def run(reqs):
+        sched = Scheduler(lambda: (engine, tok), slots=2, ctx_size=64).start()
+        serve_requests(sched, reqs)
+        sched.stop()
+        return [r.out for r in reqs]
+
+    [alone] = run([Request(prompt, greedy, None)])
+    banned = Request(prompt, greedy, None)
+    banned.processors.append(ban := Ban(alone[0]))
+    got, beside = run([banned, Request(prompt, greedy, None)])
+    assert beside == alone and alone[0] not in got and ban.seen == got and len(got) == 10
 
 
 @pytest.mark.parametrize("kv, sparse, gemm", [("f32", False, False), ("f16", True, False), ("bf16", False, True),

@@ -4,7 +4,7 @@ import pytest
 import ref
 from ref.common.errors import UserError
 from ref.common.sampling import apply_repeat_penalty, check_sampling, sample
-from tests.helpers import write_model
+from tests.helpers import Ban, write_model
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,10 @@ def test_sampling_distribution():
     """Draws follow softmax(logits / T) when no truncation applies."""
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     rng = np.random.default_rng(0)
-    draws = [sample(logits, [], rng, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) for _ in range(20000)]
+    draws = [sample(logits, rng, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) for _ in range(20000)]
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.015)
-    hot = [sample(logits, [], rng, temperature=0.5, top_k=0, top_p=1.0, min_p=0.0) for _ in range(20000)]
+    hot = [sample(logits, rng, temperature=0.5, top_k=0, top_p=1.0, min_p=0.0) for _ in range(20000)]
     p = np.array([0.5, 0.3, 0.15, 0.05]) ** 2
     np.testing.assert_allclose(np.bincount(hot, minlength=4) / len(hot), p / p.sum(), atol=0.015)
 
@@ -49,9 +49,9 @@ def test_sampling_distribution():
 def test_top_p_and_min_p_sets():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     rng = np.random.default_rng(0)
-    top_p = {sample(logits, [], rng, 1.0, 0, 0.75, 0.0) for _ in range(2000)}
+    top_p = {sample(logits, rng, 1.0, 0, 0.75, 0.0) for _ in range(2000)}
     assert top_p == {0, 1}  # 0.5 + 0.3 is the smallest prefix reaching 0.75
-    min_p = {sample(logits, [], rng, 1.0, 0, 1.0, 0.25) for _ in range(2000)}
+    min_p = {sample(logits, rng, 1.0, 0, 1.0, 0.25) for _ in range(2000)}
     assert min_p == {0, 1, 2}  # 0.05 < 0.25 * 0.5
 
 
@@ -111,3 +111,12 @@ def test_stop_reasons_and_ignore_eos(tmp_path):
     assert len(ref.generate(m2, [1, 3], 4, timings=t, ignore_eos=True)) == 4 and t.stop == "length"
     t = Timings()
     assert len(ref.generate(m2, [1, 3], -1, timings=t, ignore_eos=True, ctx_size=9)) == 7 and t.stop == "context"
+
+
+def test_a_logits_processor_changes_each_token_and_hears_each_one_taken(shipped_model, shipped_tokenizer):
+    """generate's `processors` run after the penalties on every token's logits and are told each token taken."""
+    ids = shipped_tokenizer.encode("once upon a time")
+    free = ref.generate(shipped_model, ids, 12, ignore_eos=True)
+    ban = Ban(free[0])
+    got = ref.generate(shipped_model, ids, 12, ignore_eos=True, processors=[ban], repeat_penalty=1.3)
+    assert free[0] not in got and ban.seen == got and len(got) == 12
