@@ -10,13 +10,15 @@ import time
 import zlib
 from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from pathlib import Path
 
 import numpy as np
 
 from fast import cpu
-from fast.engine import Engine, Selector, apply_sparsity, dense_ffn, joined
+from fast.engine import Engine, Selector, apply_activation_sparsity, dense_ffn, joined
+from fast.layers import Thin
 from placement.synthetic import firing
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
@@ -81,34 +83,40 @@ def server_twin(engine: Engine) -> Engine:
     return served
 
 
+@dataclass
+class WatchedThin(Thin):
+    """A layer's activation-sparsity sites that keep each site's scores |x| w while `watching` (thinned_twin)."""
+
+    scores: list = field(default_factory=lambda: [[] for _ in range(4)])
+    watching: bool = True
+
+    def inputs(self, out: np.ndarray, ids: np.ndarray, x: np.ndarray, site: int) -> int:
+        if self.watching:
+            self.scores[site].append(np.abs(x) * self.w[site])
+        return super().inputs(out, ids, x, site)
+
+    def activations(self, a: np.ndarray, ids: np.ndarray, gu: np.ndarray, bu: np.ndarray, kind: int, thr) -> int:
+        n = super().activations(a, ids, gu, bu, kind, thr)
+        if self.watching:  # at t = 0 only its zeros are dropped, which are 0 here too
+            self.scores[3].append(np.abs(a) * self.w[3])
+        return n
+
+
 def thinned_twin(engine: Engine, sparsity: float, ffn: bool, tokens: int = 4) -> Engine:
     """The engine's weights with activation sparsity (TEAL), thresholds drawn so that `sparsity` of each site's
     inputs is dropped on its first decode tokens (random weights have no corpus to be calibrated on): thinned at
-    t = 0, `tokens` steps run with each site's scores recorded, then each threshold set to their quantile. The FFN's
-    sites too where `ffn` (else the engine's predictors keep it)."""
+    t = 0, `tokens` steps run with each site's scores watched (WatchedThin), then each threshold set to their
+    quantile. The FFN's sites too where `ffn` (else the engine's predictors keep it)."""
     thinned = twin(engine)
     thinned.selector = engine.selector
-    apply_sparsity(thinned, "teal", np.zeros((engine.config.n_layers, 4), F32), ffn)
-    site = {id(L.thin.w[s]): (L, s) for L in thinned.layers for s in range(4)}
-    scores = {key: [] for key in site}
-    thin, thin_activations = cpu.thin, cpu.thin_activations
-
-    def recorded_thin(out, ids, x, w, t):
-        scores[id(w)].append(np.abs(x) * w)
-        return thin(out, ids, x, w, t)
-
-    def recorded_activations(a, ids, gu, bias, kind, thr, w, t):
-        n = thin_activations(a, ids, gu, bias, kind, thr, w, t)
-        scores[id(w)].append(np.abs(a) * w)  # at t = 0 only its zeros are dropped, which are 0 here too
-        return n
-    cpu.thin, cpu.thin_activations = recorded_thin, recorded_activations
-    try:
-        decode_tok_s(thinned, tokens)
-    finally:
-        cpu.thin, cpu.thin_activations = thin, thin_activations
-    for key, (L, s) in site.items():
-        if scores[key]:
-            L.thin.t[s] = np.quantile(np.concatenate([v.ravel() for v in scores[key]]), sparsity)
+    apply_activation_sparsity(thinned, "teal", np.zeros((engine.config.n_layers, 4), F32), ffn, thin_type=WatchedThin)
+    decode_tok_s(thinned, tokens)
+    for L in thinned.layers:
+        thin = L.attn.thin
+        for s, seen in enumerate(thin.scores):
+            if seen:
+                thin.t[s] = np.quantile(np.concatenate([v.ravel() for v in seen]), sparsity)
+        thin.watching, thin.scores = False, None
     return thinned
 
 
@@ -341,11 +349,7 @@ def bytes_per_token(engine: Engine, active_neurons: float, kept: float = 1.0, de
     engine's predictors, lm_head; of matrices whose inputs are thinned (activation sparsity), the `kept` share of
     their rows; and the keys and values of `depth` cached positions in the engine's KV formats."""
     c, L0, selector = engine.config, engine.layers[0], engine.selector
-    attn = L0.wqkv.nbytes + L0.wo.nbytes if L0.wqkv is not None else kept * (L0.wqkv_t.nbytes + L0.wo_t.nbytes)
-    if L0.gate_up_t is not None:
-        ffn = kept * (L0.gate_up_t.nbytes + L0.bundle.nbytes)
-    else:
-        ffn = active_neurons * (L0.bundle.nbytes + (0 if L0.gate_up is None else L0.gate_up.nbytes)) / c.d_ffn
+    attn, ffn = L0.attn.nbytes(kept), L0.ffn.nbytes(active_neurons / c.d_ffn, kept)
     pred = sum(a.nbytes + b.nbytes for a, b in zip(selector.fc1, selector.fc2)) if selector.predicts else 0
     kv = depth * c.n_kv_heads * sum(FORMATS[name].row_bytes(c.head_dim) for name in engine.kv_types)
     return c.n_layers * (attn + ffn + kv) + pred + engine.lm_head.nbytes

@@ -7,7 +7,7 @@ run (a prompt chunk) has at least `MIN_TOKENS` tokens (and `MIN_WORK` tokens x d
 with fast.cpu's, and the server none (engine.kernels: a GEMM's sums for a row depend on the rows beside it). Since then fast.cpu
 gained 4 x 4 tiles for float products and int8 kernels for q8_0/q4_0, so `matmul` hands a float product of fewer
 than GEMM_TOKENS tokens, and every q8_0/q4_0 one, back to fast.cpu (and the engine keeps a sparse chunk's FFN there,
-engine.GEMM_SHARE). Weights in another format than float32 are decoded to float32 first (`fast.cpu.gather_values`:
+fast.layers.GEMM_SHARE). Weights in another format than float32 are decoded to float32 first (`fast.cpu.gather_values`:
 only the rows used, a neuron bundle's union rows), and a q8_0 or q4_0 product reads its input rounded to Q8_0 as ref
 defines (`fast.cpu.round_q8_0`); sums then run in float32 in BLAS's order.
 

@@ -14,7 +14,6 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
 
@@ -23,9 +22,11 @@ import numpy as np
 from numba.typed import List
 from threadpoolctl import threadpool_limits
 
-from fast import blas, cpu
+from fast import blas, cpu, layers
 from fast.kernel_cache import first_compile
-from fast.quant import for_matmul, for_sparse, n_rows, plain
+from fast.layers import (EMPTY, NO_NORMS, Bundles, CatsBundles, Fused, Layer, StoredDown, Thin, ThinnedFFN,
+                         as_format, as_matmul, transposed)
+from fast.quant import for_matmul, for_sparse, n_rows
 from ref import sparse
 from ref.common.artifacts import Predictors, site_widths
 from ref.common.batch import Batch, KVCache, advance, check_batch
@@ -37,81 +38,15 @@ from ref.common.safetensors import upcast
 from ref.common.sampling import check_fits, generate
 from ref.common.weights import Weights
 from ref.model import ATTN_NORM, FFN_NORM, qkv_rows, rope_angles, shift_context
-from ref.quant import Quantized, blocks, quantize, quantize_predictors, stored_format, tensor_format, values
+from ref.quant import Quantized, blocks, quantize_predictors, stored_format, tensor_format, values
 
 F32 = np.float32
-# Tokens per batched FFN call. As GEMMs (chunks that `kernels` sends to BLAS, before GEMM_SHARE), a chunk gained more
-# than the union of its sets cost: TinyLlama pp512 at 90% sparsity, chunks of 128 / 256 / 512: 69 / 81 / 87 tok/s
-# (f32), 58 / 74 / 82 (q4_0).
-FFN_CHUNK = 512
-# A chunk's FFN runs as GEMMs (kernels) only where its tokens compute at least this share of the union's
-# (token, neuron) pairs; below, fast.cpu's kernel computes each token's own neurons only. Measured crossover, 512
-# tokens, TinyLlama's FFN, random sets: 0.2 (f32) to 0.33 (q4_0); at 0.1, fast.cpu took 68 / 64 / 85 ms against the
-# GEMMs' 213 / 219 / 180 (q8_0 / q4_0 / f32).
-GEMM_SHARE = 0.25
-
-
-EMPTY = np.zeros(0, F32)  # an absent norm or bias, as the kernels take it (fast.cpu.norm, add_bias)
-NO_NORMS = np.zeros((0, 0), F32)  # cpu.qk_norm's norms where the family has none
-NO_PICKS = np.zeros((0, 0), np.uint8)  # cpu.ffn_batch_block's sets by the predictor's threshold
 NO_SETS, NO_BOUNDS = np.zeros(0, np.int32), np.zeros(0, np.int64)  # cpu.decode_step's given sets: none
 
 
 def joined(sets: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per-layer sets as one int32 array and the bounds [L + 1] of each layer's part (Selector.given_sets)."""
     return np.concatenate(sets).astype(np.int32, copy=False), np.array([0, *accumulate(len(s) for s in sets)])
-
-
-@dataclass
-class Layer:
-    """One block's weights in kernel layout, contiguous: matrices as rows of their format's blocks
-    (`Format.dtype`), norms and biases float32 (EMPTY where the family has none); FFN neuron-major with each
-    neuron's rows bundled. Post-norm blocks keep their norms (applied after each residual add) in attn_norm and
-    ffn_norm."""
-
-    attn_norm: np.ndarray  # [D]
-    wqkv: np.ndarray  # [(H + 2K) E, D]: all q rows, then k, then v
-    wo: np.ndarray  # [D, H E]
-    ffn_norm: np.ndarray  # [D] (EMPTY where the FFN shares attention's)
-    bundle: np.ndarray  # [F, 3, D]: row i = (gate_i, up_i, down[:, i]); non-gated [F, 2, D]: (up_i, down[:, i]);
-    # q8_0 / q4_0 rows in runs (for_sparse); in the dense layout (dense_ffn) [F, 1, D], the down rows only, as blocks
-    attn_norm_b: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] LayerNorm's bias
-    bqkv: np.ndarray = field(default_factory=lambda: EMPTY)  # [(H + 2K) E]
-    bo: np.ndarray = field(default_factory=lambda: EMPTY)  # [D]
-    ffn_norm_b: np.ndarray = field(default_factory=lambda: EMPTY)  # [D]
-    bu: np.ndarray = field(default_factory=lambda: EMPTY)  # [F] the up rows' bias (non-gated)
-    bd: np.ndarray = field(default_factory=lambda: EMPTY)  # [D] the down matrix's bias
-    gate_up: np.ndarray | None = None  # [2F, D] the gate rows, then the up rows, as one matmul (dense_ffn)
-    qk_norms: np.ndarray = field(default_factory=lambda: NO_NORMS)  # [2, E] each head's q and k norm (Qwen3)
-    down: np.ndarray | None = None  # [D, F] llama.cpp's quantized ffn_down as stored (blocks along F); the bundle
-    # then holds no rows, gate_up the gate and up rows (bundled re-lays it for the sparse kernels)
-    # activation sparsity (apply_sparsity): the thinned matrices stored transposed, rows = inputs (wqkv, wo, gate_up
-    # then None; the down rows are the bundle's [F, 1, D]), and each site's score weights and threshold
-    wqkv_t: np.ndarray | None = None  # [D, (H + 2K) E]
-    wo_t: np.ndarray | None = None  # [H E, D]
-    gate_up_t: np.ndarray | None = None  # [D, 2F] (non-gated: [D, F], the up columns)
-    thin: "Thin | None" = None
-
-
-@dataclass
-class Thin:
-    """A layer's activation sparsity (ref.activation_sparsity): per site (attn_in, attn_out, ffn_in, ffn_hidden) the
-    score weights w (TEAL: ones; WINA: the weight columns' norms) and the threshold t, an input kept where |x| w > t."""
-
-    w: tuple[np.ndarray, ...]  # [D], [H E], [D], [F]
-    t: np.ndarray  # [4] float32
-    cats: bool = False  # the FFN's neurons by CATS's criterion, t[3] on |f(g)| (bundles, kind + cpu.CATS)
-
-
-def as_format(t, fmt: Format, name: str = "tensor") -> np.ndarray:
-    """A stored tensor, or rows of blocks, as rows of fmt's blocks: itself (a view) where it is in fmt already."""
-    b = plain(t) if isinstance(t, np.ndarray) and t.dtype.names else blocks(t)
-    return b if b.dtype == fmt.dtype else blocks(quantize(values(b), fmt, name))
-
-
-def as_matmul(t, fmt: Format, name: str = "tensor") -> np.ndarray:
-    """A matrix in fmt, laid out for fast.cpu.matmul (for_matmul: q8_0/q4_0 rows interleaved)."""
-    return for_matmul(as_format(t, fmt, name))
 
 
 def tied_head(embed: np.ndarray, fmt: Format) -> np.ndarray:
@@ -145,20 +80,19 @@ def layout(w: Weights, l: int, fmt: Format) -> Layer:
         wqkv = for_matmul(mat("wq"), mat("wk"), mat("wv"))  # [q | k | v]
         bqkv = np.concatenate([vec("wq.bias"), vec("wk.bias"), vec("wv.bias")])
     qk_norms = np.stack([vec("q_norm"), vec("k_norm")]) if c.qk_norm else NO_NORMS
+    attn = Fused(wqkv=wqkv, wo=as_matmul(w[p + "wo"], fmt, p + "wo"), bqkv=bqkv, bo=vec("wo.bias"), qk_norms=qk_norms)
     if isinstance(w[p + "wd"], Quantized):  # llama.cpp's ffn_down, quantized along F: run as stored, dense
-        return Layer(vec("attn_norm"), wqkv, as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"),
-                     np.empty((c.d_ffn, 0, c.d_model // fmt.block), fmt.dtype), vec("attn_norm.bias"), bqkv,
-                     vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"),
-                     gate_up=for_matmul(mat("wg"), mat("wu")), qk_norms=qk_norms,
-                     down=as_matmul(w[p + "wd"], fmt, p + "wd"))
-    rows = ["wg", "wu"] if c.gated else ["wu"]
-    bundle = np.empty((c.d_ffn, len(rows) + 1, c.d_model // fmt.block), fmt.dtype)
-    for i, name in enumerate(rows):
-        bundle[:, i] = mat(name)
-    bundle[:, -1] = as_format(w[p + "wd"].T, fmt, p + "wd")
-    return Layer(vec("attn_norm"), wqkv, as_matmul(w[p + "wo"], fmt, p + "wo"), vec("ffn_norm"), for_sparse(bundle),
-                 vec("attn_norm.bias"), bqkv, vec("wo.bias"), vec("ffn_norm.bias"), vec("wu.bias"), vec("wd.bias"),
-                 qk_norms=qk_norms)
+        ffn = StoredDown(gate_up=for_matmul(mat("wg"), mat("wu")), down=as_matmul(w[p + "wd"], fmt, p + "wd"),
+                         bu=vec("wu.bias"), bd=vec("wd.bias"))
+    else:
+        rows = ["wg", "wu"] if c.gated else ["wu"]
+        bundle = np.empty((c.d_ffn, len(rows) + 1, c.d_model // fmt.block), fmt.dtype)
+        for i, name in enumerate(rows):
+            bundle[:, i] = mat(name)
+        bundle[:, -1] = as_format(w[p + "wd"].T, fmt, p + "wd")
+        ffn = Bundles(bundle=for_sparse(bundle), bu=vec("wu.bias"), bd=vec("wd.bias"))
+    return Layer(attn_norm=vec("attn_norm"), attn_norm_b=vec("attn_norm.bias"), ffn_norm=vec("ffn_norm"),
+                 ffn_norm_b=vec("ffn_norm.bias"), attn=attn, ffn=ffn)
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -324,64 +258,20 @@ class Engine(Decoder):
     def attention_block(self, l: int, h: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
         """Self-attention of the block input h [T, D] after its norm (ATTN_NORM: none in a post-norm block), RoPE
         where the family has it, each sequence's run attending to its own slot, to which it appends its keys and
-        values.
+        values: the layer's attention variant (fast.layers)."""
+        L = self.layers[l]
+        return L.attn.forward(self, l, h, *self.norm_weights(L, ATTN_NORM), batch, cache)
 
-        One short run (a decode step), or one token of each of several sequences (decoding together) in a step that
-        `kernels` keeps on fast.cpu: one compiled call. Otherwise the projections read each weight row once for all
-        tokens (in BLAS for steps that `kernels` sends there), the attention runs per sequence."""
-        L, out, runs, eps, T = self.layers[l], np.empty_like(h), batch.runs(), self.eps, h.shape[0]
-        w, b = self.norm_weights(L, ATTN_NORM)
-        k = self.kernels(T, h.shape[1])
-        if L.wqkv is None:  # thinned (apply_sparsity): the projections read their inputs' kept rows
-            return self.thinned_attention(l, L, h, w, b, batch, cache)
-        if len(runs) == 1 and k is cpu:
-            seq = runs[0][0]
-            cpu.attention_block(out, h, w, b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, cache.k[l][seq], cache.v[l][seq],
-                                self.cos, self.sin, batch.positions[0], eps)
-            return out
-        decoding = len(runs) == T  # one new token per sequence: their attention in one call
-        if decoding and k is cpu:
-            k_caches, v_caches = self.slot_lists(cache)[l]
-            cpu.decode_attention_block(out, h, w, b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, k_caches, v_caches,
-                                       batch.seqs, batch.positions, self.cos, self.sin, eps)
-            return out
-        c = self.config
-        qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
-        k.qkv_proj(qkv, h, w, b, L.wqkv, L.bqkv, eps)
-        att = self.attend(l, L, qkv, batch, cache)  # [T, H E]
-        k.matmul(out, att, L.wo)
-        cpu.add_bias(out, L.bo)
-        return out
+    def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
+        """The FFN of the block input h [T, D] after its norm (FFN_NORM): the layer's FFN variant (fast.layers)."""
+        L = self.layers[l]
+        return L.ffn.forward(self, l, h, *self.norm_weights(L, FFN_NORM))
 
-    def thinned_attention(self, l: int, L: Layer, h: np.ndarray, w, b, batch: Batch, cache: KVCache) -> np.ndarray:
-        """attention_block with activation sparsity: q, k, v from the normed input thinned, o from the attention
-        output thinned, each product reading only the rows of its stored transpose that some token keeps."""
-        c, T = self.config, h.shape[0]
-        x = np.empty_like(h)
-        cpu.norm(x, h, w, b, self.eps)
-        qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
-        self.thinned_product(qkv, x, L.wqkv_t, L.thin, 0)
-        cpu.add_bias(qkv, L.bqkv)
-        att = self.attend(l, L, qkv, batch, cache)  # [T, H E]
-        out = np.empty_like(h)
-        self.thinned_product(out, att, L.wo_t, L.thin, 1)
-        cpu.add_bias(out, L.bo)
-        return out
-
-    def thinned_product(self, out: np.ndarray, x: np.ndarray, wt: np.ndarray, thin: Thin, site: int) -> None:
-        """out = W thin(x) per token (site's weights and threshold), reading the rows of the stored transpose wt
-        [K, N] that some token keeps (fast.cpu.sparse_rows; in BLAS for steps that `kernels` sends there).
-        out: [T, N]; x: [T, K]."""
-        T, K = x.shape
-        xt, ids = np.empty_like(x), np.empty(K, np.int32)
-        n = cpu.thin(xt, ids, x, thin.w[site], thin.t[site])
-        self.kernels(T, K).sparse_rows(out, np.empty((len(self.acc), T, out.shape[1]), F32), xt, wt, ids, n)
-
-    def attend(self, l: int, L: Layer, qkv: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
-        """The attention of projected rows qkv [T, (H + 2K) E] (each head's q and k normed where the family says so,
-        RoPE, each sequence's keys and values appended to its slot).  -> [T, H E]."""
+    def attend(self, l: int, qk_norms: np.ndarray, qkv: np.ndarray, batch: Batch, cache: KVCache) -> np.ndarray:
+        """The attention of projected rows qkv [T, (H + 2K) E] (each head's q and k normed by qk_norms where the family
+        says so, RoPE, each sequence's keys and values appended to its slot).  -> [T, H E]."""
         c, T, runs = self.config, qkv.shape[0], batch.runs()
-        cpu.qk_norm(qkv, L.qk_norms, c.n_kv_heads, self.eps)
+        cpu.qk_norm(qkv, qk_norms, c.n_kv_heads, self.eps)
         att = np.empty((T, c.n_heads * c.head_dim), F32)  # [T, H E]
         if len(runs) == T > 1:  # one token of each of several sequences (one run reads its own slot: a hybrid
             # engine's cache holds device arrays for the layers attending on the GPU)
@@ -392,11 +282,6 @@ class Engine(Decoder):
                 self.kernels(b - a, c.d_model).self_attention(att[a:b], qkv[a:b], cache.k[l][seq],
                                                               cache.v[l][seq], self.cos, self.sin, batch.positions[a])
         return att
-
-    def ffn_kind(self, L: Layer) -> tuple[int, float]:
-        """The (kind, threshold) a layer's neuron bundles are computed with: CATS's criterion (cpu.CATS, the
-        layer's ffn_hidden threshold) where activation sparsity chose it, else the model's activation."""
-        return (self.kind + cpu.CATS, L.thin.t[3]) if L.thin is not None and L.thin.cats else (self.kind, self.thr)
 
     def norm_weights(self, L: Layer, table: dict) -> tuple[np.ndarray, np.ndarray]:
         """The (weight, bias) of the norm before attention or the FFN in this block (ref.model's ATTN_NORM or
@@ -414,74 +299,6 @@ class Engine(Decoder):
                            for arrays, none in zip((cache.k, cache.v), empty)) for l in range(len(cache.k))]
             kept = self._slots = (weakref.ref(cache), cache.version, lists)
         return kept[2]
-
-    def ffn_block(self, l: int, h: np.ndarray) -> np.ndarray:
-        """y = sum over the active set of a_i Wd[:, i] (+ bd), the set chosen per token by the selector from the block
-        input h [T, D] (before the FFN's norm, FFN_NORM).
-
-        One token: the fused decode kernel. Several (a prompt, or one token of each of several sequences): per chunk
-        of FFN_CHUNK tokens, each neuron of the union of their sets read once for all of them, each token computing
-        only its own (`sparse_ffn_batch`; in BLAS for chunks that `kernels` sends there and that compute GEMM_SHARE of
-        the union's pairs); one chunk that `kernels` keeps on fast.cpu, its sets the predictor's threshold: predictor,
-        sets and FFN as one compiled call (`ffn_batch_block`). The dense layout (dense_ffn: every neuron): [g | u] =
-        x [Wg | Wu]^T as one matmul, then `dense_down`; one token's as one compiled call."""
-        L, y, T, eps = self.layers[l], np.empty_like(h), h.shape[0], self.eps
-        w, b = self.norm_weights(L, FFN_NORM)
-        if L.gate_up_t is not None:  # thinned (apply_sparsity): y = Wd thin(a(g, u)), g, u = [Wg | Wu] thin(x)
-            x, F = np.empty_like(h), self.config.d_ffn
-            cpu.norm(x, h, w, b, eps)
-            gu = np.empty((T, F * (2 if self.config.gated else 1)), F32)  # [T, 2F]
-            self.thinned_product(gu, x, L.gate_up_t, L.thin, 2)
-            a, ids = np.empty((T, F), F32), np.empty(F, np.int32)
-            n = cpu.thin_activations(a, ids, gu, L.bu, self.kind, self.thr, L.thin.w[3], L.thin.t[3])
-            self.kernels(T, h.shape[1]).sparse_rows(y, np.empty((len(self.acc), T, h.shape[1]), F32), a,
-                                                    L.bundle[:, 0], ids, n)
-            cpu.add_bias(y, L.bd)
-            return y
-        if L.down is not None:  # llama.cpp's ffn_down as stored: y = Wd a(g, u)
-            x, gu = np.empty_like(h), np.empty((T, n_rows(L.gate_up)), F32)  # [T, D], [T, 2F]
-            cpu.norm(x, h, w, b, eps)
-            k = self.kernels(T, h.shape[1])
-            k.matmul(gu, x, L.gate_up)
-            a = np.empty((T, gu.shape[1] // 2), F32)  # [T, F]
-            cpu.activations(a, gu, self.kind, self.thr)
-            k.matmul(y, a, L.down)
-            cpu.add_bias(y, L.bd)
-            return y
-        if L.gate_up is not None:  # the dense layout: every neuron, gate and up rows as one matmul
-            down = L.bundle[:, 0]
-            if T == 1:
-                cpu.dense_ffn_block(y[0], self.acc, h[0], w, b, L.gate_up, down, L.bd, self.kind, self.thr, eps)
-                return y
-            x, gu = np.empty_like(h), np.empty((T, n_rows(L.gate_up)), F32)  # [T, D], [T, 2F]
-            cpu.norm(x, h, w, b, eps)
-            k = self.kernels(T, h.shape[1])
-            k.matmul(gu, x, L.gate_up)
-            k.dense_down(y, np.empty((len(self.acc), T, h.shape[1]), F32), gu, down, self.kind, self.thr)
-            cpu.add_bias(y, L.bd)
-            return y
-        kind, thr = self.ffn_kind(L)
-        if T == 1:
-            active = self.active_set(l, h[0])
-            cpu.ffn_block(y[0], self.acc, h[0], w, b, L.bundle, L.bu, L.bd, active, len(active), kind, thr, eps)
-            return y
-        sel = self.selector
-        if self.ffn_in_one_call(h):
-            given = np.ascontiguousarray(sel.pick_rows(l, None, T), np.uint8) if sel.ahead else NO_PICKS
-            cpu.ffn_batch_block(y, h, w, b, sel.fc1[l], sel.fc2[l], sel.threshold, given, L.bundle, L.bu, L.bd,
-                                len(self.acc), self.kind, self.thr, eps)
-            return y
-        x = np.empty_like(h)
-        cpu.norm(x, h, w, b, eps)
-        for t0 in range(0, T, FFN_CHUNK):
-            n = min(FFN_CHUNK, T - t0)
-            union, mask = self.active_sets(l, h[t0:t0 + n])
-            pairs = mask[:, :len(union)]  # [n, U]: the defined columns
-            k = cpu if np.count_nonzero(pairs) < GEMM_SHARE * pairs.size else self.kernels(n, h.shape[1])
-            k.sparse_ffn_batch(y[t0:t0 + n], np.empty((len(self.acc), n, h.shape[1]), F32), x[t0:t0 + n],
-                               L.bundle, L.bu, union, len(union), mask, kind, thr)
-        cpu.add_bias(y, L.bd)
-        return y
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [N, V] of the batch's output rows; each sequence's slot grows by its run. Every block in one
@@ -517,27 +334,31 @@ class Engine(Decoder):
         """Whether the FFN block of several tokens h [T, D] runs as cpu.ffn_batch_block: one chunk on fast.cpu's
         kernels, its sets the predictor's threshold or a pick drawn ahead."""
         sel, T = self.selector, h.shape[0]
-        return ((sel.by_threshold or sel.predicts and sel.ahead) and T <= FFN_CHUNK
+        return ((sel.by_threshold or sel.predicts and sel.ahead) and T <= layers.FFN_CHUNK
                 and self.kernels(T, h.shape[1]) is cpu)
 
     def step_layers(self) -> list | None:
-        """The per-layer arrays cpu.decode_step reads (cpu.StepLayer's fields but the cache's slots), kept until a
-        transform changes the layers (layers_changed) or the selector is replaced; None where the step does not
-        apply: the dense layout (dense_ffn), activation sparsity, a selector whose own pick reads the logits, or
-        layers whose arrays differ in type (a format per layer: one compiled step takes one type per field)."""
-        sel, c, L0 = self.selector, self.config, self.layers[0]
-        if L0.gate_up is not None or L0.wqkv is None or (sel.predicts and not sel.by_threshold and not sel.ahead):
+        """Per layer, the fields of cpu.StepLayer but the cache's slots, by name, kept until a transform changes the
+        layers (layers_changed) or the selector is replaced; None where the step does not apply: a variant it does
+        not run (fast.layers' `steps`: Fused attention and Bundles only), a selector whose own pick reads the logits,
+        or layers whose arrays differ in type (a format per layer: one compiled step takes one type per field)."""
+        sel, post = self.selector, self.config.block == "post_norm"
+        if not all(L.attn.steps and L.ffn.steps for L in self.layers) or (sel.predicts and not sel.by_threshold
+                                                                           and not sel.ahead):
             return None
         if self._step is None or self._step[0] is not sel:
             none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
-            parts = []
+            fields = []
             for l, L in enumerate(self.layers):
-                post = (L.attn_norm, L.attn_norm_b, L.ffn_norm, L.ffn_norm_b) if c.block == "post_norm" else (EMPTY,) * 4
-                parts.append((*self.norm_weights(L, ATTN_NORM), *self.norm_weights(L, FFN_NORM), *post, L.wqkv, L.bqkv,
-                              L.qk_norms, L.wo, L.bo, L.bundle, L.bu, L.bd,
-                              *((sel.fc1[l], sel.fc2[l]) if sel.predicts else (none, none))))
-            uniform = len({tuple(numba.typeof(a) for a in p) for p in parts}) == 1
-            self._step = (sel, parts if uniform else None)
+                (attn_w, attn_b), (ffn_w, ffn_b) = self.norm_weights(L, ATTN_NORM), self.norm_weights(L, FFN_NORM)
+                fields.append(dict(attn_w=attn_w, attn_b=attn_b, ffn_w=ffn_w, ffn_b=ffn_b,
+                                   post_attn_w=L.attn_norm if post else EMPTY,
+                                   post_attn_b=L.attn_norm_b if post else EMPTY,
+                                   post_ffn_w=L.ffn_norm if post else EMPTY, post_ffn_b=L.ffn_norm_b if post else EMPTY,
+                                   **L.attn.step_fields(), **L.ffn.step_fields(),
+                                   fc1=sel.fc1[l] if sel.predicts else none, fc2=sel.fc2[l] if sel.predicts else none))
+            uniform = len({tuple(numba.typeof(a) for a in f.values()) for f in fields}) == 1
+            self._step = (sel, fields if uniform else None)
         return self._step[1]
 
     def layers_changed(self) -> None:
@@ -554,20 +375,24 @@ class Engine(Decoder):
                  else self.no_picks)  # several tokens' sets [L, T, F], or none: the threshold's
         head = self.project_out is None and (batch.logits is None or len(batch.output_rows()) == T)
         logits = np.empty((T, n_rows(self.lm_head)) if head else (0, 0), F32)
-        cpu.decode_step(logits, h, self.step_rows(layers, cache), batch.seqs, batch.positions, self.cos, self.sin,
-                        self.eps, sel.threshold, given, bounds, picks, self.acc, self.kind, self.thr,
-                        cpu.BLOCKS[self.config.block], self.norm, self.norm_b, self.lm_head)
+        rows, model = self.step_rows(layers, cache)
+        cpu.decode_step(logits, h, rows, batch.seqs, batch.positions,
+                        cpu.StepSets(threshold=sel.threshold, given=given, bounds=bounds, picks=picks), model)
         return logits if head else None
 
-    def step_rows(self, layers: list, cache: KVCache) -> List:
-        """step_layers' arrays with each layer's key and value slots (slot_lists), as one typed list of cpu.StepLayer:
-        what cpu.decode_step reads, kept until the cache's arrays or the layers change."""
+    def step_rows(self, layers: list, cache: KVCache) -> tuple[List, tuple]:
+        """step_layers' fields with each layer's key and value slots (slot_lists), as one typed list of cpu.StepLayer,
+        and the step's cpu.StepModel: what cpu.decode_step reads, kept until the cache's arrays or the layers
+        change."""
         kept = self._rows
         if kept is None or kept[0]() is not cache or kept[1] != cache.version or kept[2] is not layers:
             rows = List()
-            for parts, slots in zip(layers, self.slot_lists(cache)):
-                rows.append(cpu.StepLayer(*parts, *slots))
-            kept = self._rows = (weakref.ref(cache), cache.version, layers, rows)
+            for fields, (k_slots, v_slots) in zip(layers, self.slot_lists(cache)):
+                rows.append(cpu.StepLayer(**fields, k_slots=k_slots, v_slots=v_slots))
+            model = cpu.StepModel(cos=self.cos, sin=self.sin, eps=self.eps, acc=self.acc, kind=self.kind, thr=self.thr,
+                                  block=cpu.BLOCKS[self.config.block], out_w=self.norm, out_b=self.norm_b,
+                                  lm_head=self.lm_head)
+            kept = self._rows = (weakref.ref(cache), cache.version, layers, (rows, model))
         return kept[3]
 
     def embed_tokens(self, batch: Batch) -> np.ndarray:
@@ -681,10 +506,7 @@ def convert(engine: Engine, fmt: Format) -> Engine:
     """Store the engine's matrices in another format (--type), a layer at a time, so that memory holds one layer in
     both formats at most."""
     for L in engine.layers:
-        L.wqkv, L.wo = as_matmul(L.wqkv, fmt), as_matmul(L.wo, fmt)
-        L.bundle = for_sparse(as_format(L.bundle, fmt))
-        L.gate_up = None if L.gate_up is None else as_matmul(L.gate_up, fmt)
-        L.down = None if L.down is None else as_matmul(L.down, fmt)
+        L.attn, L.ffn = L.attn.convert(fmt), L.ffn.convert(fmt)
     engine.embed = as_format(engine.embed, fmt)
     engine.lm_head = (tied_head(engine.embed, fmt) if engine.config.tie_word_embeddings
                       else as_matmul(engine.lm_head, fmt))
@@ -696,49 +518,24 @@ def convert(engine: Engine, fmt: Format) -> Engine:
 
 
 def dense_ffn(engine: Engine) -> Engine:
-    """The dense layout, for an engine without predictors: each layer's gate and up rows as one matrix [2F, D]
-    (interleaved groups in q8_0 and q4_0, which fast.cpu.matmul reads at the memory's pace where a neuron's rows
-    one by one did not), its bundles reduced to the down rows. TinyLlama's FFN, q4_0, 2 threads: 28 -> 18 ms a
-    token. Float formats and non-gated FFNs keep their bundles (their row products are as fast); apply_predictors
-    bundles the rows again."""
+    """The dense layout, for an engine without predictors: each layer's FFN as fast.layers.Dense where its variant
+    has a faster dense form (gated bundles in q8_0 and q4_0: TinyLlama's FFN, q4_0, 2 threads: 28 -> 18 ms a token);
+    float formats keep their bundles (their row products are as fast). apply_predictors bundles the rows again."""
     if not engine.format.quantized:
         return engine
     for L in engine.layers:
-        if L.gate_up is None and L.bundle.shape[1] == 3:
-            rows = plain(L.bundle)  # [F, 3, B]
-            L.gate_up = for_matmul(rows[:, 0], rows[:, 1])
-            L.bundle = np.ascontiguousarray(rows[:, 2:])
+        L.ffn = L.ffn.dense()
     engine.layers_changed()
     return engine
-
-
-def ffn_rows(L: Layer, fmt: Format) -> list[np.ndarray]:
-    """A layer's FFN as plain rows of blocks in whichever layout it has: [gate, up, down^T] (non-gated: [up,
-    down^T]), each [F, B]; llama.cpp's ffn_down (blocks along F) quantized again along D in `fmt` (the shipped model
-    in q4_0: perplexity +0.07 %)."""
-    if L.gate_up is None:
-        rows = plain(L.bundle)  # [F, P, B]
-        return [rows[:, p] for p in range(rows.shape[1])]
-    gu, F = plain(L.gate_up), L.bundle.shape[0]  # [2F, B]
-    down_t = L.bundle[:, 0] if L.down is None else as_format(values(plain(L.down)).T, fmt)  # [F, B]
-    return [gu[:F], gu[F:], down_t]
 
 
 def bundled(engine: Engine) -> Engine:
-    """Each neuron's rows bundled again (the layout the sparse kernels read), undoing dense_ffn; llama.cpp's ffn_down
-    re-laid as PowerInfer's ffn_down_t (ffn_rows)."""
+    """Each neuron's rows bundled again (fast.layers.Bundles, the layout the sparse kernels read), undoing dense_ffn;
+    llama.cpp's ffn_down re-laid as PowerInfer's ffn_down_t (StoredDown.rows)."""
     for L in engine.layers:
-        if L.gate_up is not None:
-            L.bundle = for_sparse(np.stack(ffn_rows(L, engine.format), axis=1))
-            L.gate_up = L.down = None
+        L.ffn = L.ffn.bundled(engine.format)
     engine.layers_changed()
     return engine
-
-
-def transposed(rows: np.ndarray, fmt: Format, name: str) -> np.ndarray:
-    """Plain rows of blocks [N, K / block] as the rows of their transpose [K, N / block] in fmt: the same values in a
-    float format, quantized again along N in q8_0 and q4_0 (ref.activation_sparsity.transposed)."""
-    return as_format(np.ascontiguousarray(values(rows).T), fmt, name)
 
 
 def column_norms(wt: np.ndarray) -> np.ndarray:
@@ -747,32 +544,34 @@ def column_norms(wt: np.ndarray) -> np.ndarray:
     return np.sqrt((v * v).sum(1)).astype(F32)
 
 
-def apply_sparsity(engine: Engine, method: str, cut: np.ndarray, ffn: bool = True) -> Engine:
-    """Training-free activation sparsity (ref.activation_sparsity.apply_sparsity) with thresholds cut [L, 4]: the
-    attention's matrices, and for TEAL and WINA the FFN's where `ffn` (not beside predictors), stored transposed and
-    read input-sparse; CATS's FFN as neuron bundles whose kind skips a neuron by its gate's activation (cpu.CATS)."""
+def apply_activation_sparsity(engine: Engine, method: str, cut: np.ndarray, ffn: bool = True,
+                              thin_type: type = Thin) -> Engine:
+    """Training-free activation sparsity (ref.activation_sparsity.apply_activation_sparsity) with thresholds cut
+    [L, 4]: the attention as fast.layers.Thinned, and for TEAL and WINA the FFN as ThinnedFFN where `ffn` (not beside
+    predictors); CATS's FFN as CatsBundles, which skip a neuron by its gate's activation (cpu.CATS). Each layer's
+    sites are one `thin_type` (Thin, or a subclass that watches the scores: fast.bench.thinned_twin)."""
     c, fmt = engine.config, engine.format
     cats = method == "cats" and ffn
     if cats:
         if c.ffn_kind == "fatrelu":
             raise UserError("--sparsity-method cats: a FATReLU FFN has a threshold of its own; use teal or wina")
         bundled(engine)
+    widths = site_widths(c)
     for l, L in enumerate(engine.layers):
-        L.wqkv_t = transposed(plain(L.wqkv), fmt, f"layers.{l}.wqkv")
-        L.wo_t = transposed(plain(L.wo), fmt, f"layers.{l}.wo")
-        L.wqkv = L.wo = None
-        sites = [L.wqkv_t, L.wo_t]
-        t = np.array(cut[l], F32)
-        if ffn and not cats:
-            *gate_up, down_t = ffn_rows(L, fmt)
-            L.gate_up_t = transposed(np.concatenate(gate_up), fmt, f"layers.{l}.gate_up")
-            L.bundle, L.gate_up, L.down = np.ascontiguousarray(down_t[:, None]), None, None  # [F, 1, B]
-            sites += [L.gate_up_t, down_t]
-        elif not cats:
-            t[2:] = np.inf  # the predictors' FFN: no site of it thinned
-        widths = site_widths(c)
+        thin = thin_type((), np.array(cut[l], F32))
+        L.attn = L.attn.thinned(fmt, l, thin)
+        sites = [L.attn.wqkv, L.attn.wo]
+        if cats:
+            L.ffn = CatsBundles(bundle=L.ffn.bundle, bu=L.ffn.bu, bd=L.ffn.bd, thin=thin)
+        elif ffn:
+            *gate_up, down_t = L.ffn.rows(fmt)
+            L.ffn = ThinnedFFN(gate_up_t=transposed(np.concatenate(gate_up), fmt, f"layers.{l}.gate_up"),
+                               down_t=np.ascontiguousarray(down_t), thin=thin, bu=L.ffn.bu, bd=L.ffn.bd)
+            sites += [L.ffn.gate_up_t, L.ffn.down_t]
+        else:
+            thin.t[2:] = np.inf  # the predictors' FFN: no site of it thinned
         w = [column_norms(m) if method == "wina" else np.ones(n, F32) for m, n in zip(sites, widths)]
-        L.thin = Thin(tuple(w + [np.ones(n, F32) for n in widths[len(w):]]), t, cats)
+        thin.w = tuple(w + [np.ones(n, F32) for n in widths[len(w):]])
     engine.layers_changed()
     return engine
 

@@ -600,7 +600,7 @@ def every_input(K: int):
 
 
 def thinned_product(out, x, W: Weight, w, t):
-    """out = W thin(x) per token (fast.engine.thinned_product), W the stored transpose as a Weight: thin(x)'s zeros
+    """out = W thin(x) per token (fast.layers.thinned_product), W the stored transpose as a Weight: thin(x)'s zeros
     skip their rows.  out: [T, N]; x: [T, K]."""
     xt = scratch("thin_x", x.shape)
     thin(xt, None, x, w, t)
@@ -619,7 +619,7 @@ def attention_block(out, h, attn_norm, attn_norm_b, wqkv, bqkv, qk_norms, wo, bo
     """Same contract as fast.cpu.attention_block. The projections read row blocks of wqkv into contiguous buffers,
     since a device array's column slices cannot be reshaped; keys and values go to the head-major cache (store_kv). With `thin` (device
     score weights and thresholds of attn_in and attn_out: w0, t0, w1, t1), activation sparsity as
-    fast.engine.Engine.thinned_attention: wqkv and wo are the stored transposes, each read input-sparse."""
+    fast.layers.Thinned: wqkv and wo are the stored transposes, each read input-sparse."""
     T, D = h.shape
     K, E = k_cache.shape[0], 2 * cos.shape[1]
     W = weight(wqkv)
@@ -667,9 +667,9 @@ def ffn_block(out, acc, h, ffn_norm, ffn_norm_b, bundle, bias, bd, active, n_act
 
 
 def thinned_ffn_block(out, h, ffn_norm, ffn_norm_b, gate_up_t, down_t, bu, bd, kind, thr, thin, eps):
-    """fast.engine's thinned FFN (Engine.ffn_block with activation sparsity) for tokens h [T, D]: out = Wd thin(a(g,
-    u)) + bd, [g | u] = [Wg | Wu] thin(norm(h)); gate_up_t [D, 2F] (non-gated [D, F]) and down_t [F, D] the stored
-    transposes, thin the device score weights and thresholds of ffn_in and ffn_hidden (w2, t2, w3, t3)."""
+    """fast.layers.ThinnedFFN for tokens h [T, D]: out = Wd thin(a(g, u)) + bd, [g | u] = [Wg | Wu] thin(norm(h));
+    gate_up_t [D, 2F] (non-gated [D, F]) and down_t [F, D] the stored transposes, thin the device score weights
+    and thresholds of ffn_in and ffn_hidden (w2, t2, w3, t3)."""
     T, D = h.shape
     G, Wd = weight(gate_up_t), weight(down_t)
     x, gu, a = scratch("ffn_block_x", (T, D)), scratch("ffn_gu", (T, G.cols)), scratch("ffn_thin_a", (T, Wd.rows))

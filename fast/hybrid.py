@@ -19,6 +19,7 @@ from numba import cuda
 
 from fast import cpu, gpu
 from fast.engine import Decoder, Engine, bundled
+from fast.layers import Bundles, CatsBundles, Thin, ThinnedFFN
 from ref.model import ATTN_NORM, FFN_NORM
 from ref.common.artifacts import dense_names
 from ref.common.batch import Batch, KVCache, advance, check_batch
@@ -28,24 +29,54 @@ F32 = np.float32
 
 
 @dataclass
-class GpuLayer:
-    """What layer l keeps on the GPU; a part left None runs on the CPU."""
+class GpuAttention:
+    """A layer's attention on the GPU, device arrays as gpu.attention_block takes them (fast.layers' Fused, or
+    Thinned: wqkv and wo the stored transposes)."""
 
-    attention: tuple | None  # device (norm w, b [D] or [0], wqkv [(H + 2K) E, D], bqkv, qk_norms, wo [D, H E], bo):
-    # gpu.attention_block's
-    predictor: tuple | None  # device (fc1 [R, D], fc2 [F, R]) as gpu.Weight
-    ffn_norm: tuple  # device (w, b): the norm before the FFN (fast.engine.Engine.norm_weights)
+    norm_w: object  # [D] or [0]: the norm before attention (fast.engine.Engine.norm_weights)
+    norm_b: object
+    wqkv: object  # gpu.Weight [(H + 2K) E, D]
+    bqkv: object
+    qk_norms: object
+    wo: object  # gpu.Weight [D, H E]
+    bo: object
+    thin: tuple | None  # activation sparsity's attn_in and attn_out score weights and thresholds (w0, t0, w1, t1)
+
+
+@dataclass
+class GpuBundles:
+    """A layer's hot neurons on the GPU (fast.layers' Bundles and CatsBundles), split from the CPU's per token."""
+
     bundle: object  # device gpu.Weight, rows [P max(G, 1), D]: the layer's hot neurons in gpu_neurons order
     bu: object  # device [G] the hot neurons' up-row bias (non-gated), or [0]
     bd: object  # device [D] the down matrix's bias, or [0]
     slot: np.ndarray  # host [F]: neuron id -> row of bundle, or -1 when the neuron lives on the CPU
     hot_all: object  # device [G]: every row of bundle (the split of a step where all F neurons are active)
     cold_all: np.ndarray  # host [F - G]: the CPU's neurons (same)
-    kind: tuple  # (kind, threshold) of the bundles' activation (fast.engine.Engine.ffn_kind: CATS's, where chosen)
-    # activation sparsity (fast.engine.apply_sparsity): attention's wqkv and wo are then the stored transposes
-    attn_thin: tuple | None = None  # device score weights and thresholds of attn_in and attn_out (w0, t0, w1, t1)
-    gate_up_t: object = None  # device gpu.Weight [D, 2F] of a thinned FFN, whose bundle holds the down rows [F, D]
-    ffn_thin: tuple | None = None  # its ffn_in and ffn_hidden ones (w2, t2, w3, t3)
+    kind: tuple  # (kind, threshold) of the bundles' activation (the variant's kind: CATS's, where chosen)
+
+
+@dataclass
+class GpuThinnedFFN:
+    """A thinned FFN (fast.layers.ThinnedFFN) on the GPU, whole: its input is read by every neuron."""
+
+    gate_up_t: object  # device gpu.Weight [D, 2F]
+    down_t: object  # device gpu.Weight [F, D]
+    bu: object
+    bd: object
+    kind: tuple
+    thin: tuple  # ffn_in's and ffn_hidden's score weights and thresholds (w2, t2, w3, t3)
+
+
+@dataclass
+class GpuLayer:
+    """What layer l keeps on the GPU; a part left None runs on the CPU."""
+
+    attention: GpuAttention | None
+    predictor: tuple | None  # device (fc1 [R, D], fc2 [F, R]) as gpu.Weight
+    ffn_norm: tuple  # device (w, b): the norm before the FFN (fast.engine.Engine.norm_weights)
+    ffn: GpuBundles | GpuThinnedFFN | None
+    run_ffn: object = None  # the HybridEngine method that runs the FFN block where its parts are
 
 
 class Residual:
@@ -86,7 +117,7 @@ class HybridEngine(Decoder):
         self.block = HYBRID_BLOCKS[c.block].__get__(self)
         # Where each block runs, chosen once: the forward pass has no branches on the placement.
         self.attention = [self.cpu_attention if G.attention is None else self.gpu_attention for G in self.gpu_layers]
-        self.ffn = [self.ffn_side(G) for G in self.gpu_layers]
+        self.ffn = [G.run_ffn for G in self.gpu_layers]
         self.output = self.cpu_output
         if "output" in self.dense_on_gpu:
             self.norm_d = cuda.to_device(host.norm), cuda.to_device(host.norm_b)
@@ -97,52 +128,61 @@ class HybridEngine(Decoder):
         self.y_cpu, self.y_gpu = cuda.pinned_array((1, c.d_model), F32), cuda.pinned_array((1, c.d_model), F32)
 
     def upload_layer(self, l: int) -> GpuLayer:
-        c, L, ids, sel = self.config, self.host.layers[l], self.gpu_neurons[l], self.selector
+        L, sel = self.host.layers[l], self.selector
         attention = predictor = None
-        thinned = L.thin is not None
         if f"attention.{l}" in self.dense_on_gpu:
-            w, b = self.host.norm_weights(L, ATTN_NORM)
-            wqkv, wo = (L.wqkv_t, L.wo_t) if thinned else (L.wqkv, L.wo)
-            attention = (cuda.to_device(w), cuda.to_device(b), gpu.weight(wqkv).to_device(), cuda.to_device(L.bqkv),
-                         cuda.to_device(L.qk_norms), gpu.weight(wo).to_device(), cuda.to_device(L.bo))
+            A = L.attn
+            norm_w, norm_b = map(cuda.to_device, self.host.norm_weights(L, ATTN_NORM))
+            attention = GpuAttention(norm_w=norm_w, norm_b=norm_b, wqkv=gpu.weight(A.wqkv).to_device(),
+                                     bqkv=cuda.to_device(A.bqkv), qk_norms=cuda.to_device(A.qk_norms),
+                                     wo=gpu.weight(A.wo).to_device(), bo=cuda.to_device(A.bo),
+                                     thin=None if A.thin is None else sites(A.thin, 0, 1))
         if sel.predicts and f"predictor.{l}" in self.dense_on_gpu:
             predictor = (gpu.weight(sel.fc1[l]).to_device(), gpu.weight(sel.fc2[l]).to_device())
-        thinned_ffn = L.gate_up_t is not None and len(ids) > 0  # its input is read by every neuron: all or none
-        if thinned_ffn:
-            if len(ids) < c.d_ffn:
-                raise UserError(f"placement: layer {l} splits an FFN that activation sparsity (teal, wina) thins "
-                                "as a whole; place whole layers (--policy layers)")
-            ids = self.gpu_neurons[l] = np.arange(c.d_ffn, dtype=np.int32)
-        slot = np.full(c.d_ffn, -1, np.int32)
-        slot[ids] = np.arange(len(ids), dtype=np.int32)
-        bundle = L.bundle[ids] if len(ids) else np.zeros((1, *L.bundle.shape[1:]), L.bundle.dtype)
-        hot_all = cuda.to_device(np.arange(max(len(ids), 1), dtype=np.int32))
-        bu = L.bu[ids] if L.bu.size else L.bu
-        G = GpuLayer(attention, predictor, tuple(cuda.to_device(a) for a in self.host.norm_weights(L, FFN_NORM)),
-                     gpu.weight(bundle).to_device(), cuda.to_device(bu), cuda.to_device(L.bd), slot, hot_all,
-                     np.flatnonzero(slot < 0).astype(np.int32), self.host.ffn_kind(L))
-        if thinned:
-            G.attn_thin = sites(L, 0, 1)
-        if thinned_ffn:  # the down rows in neuron order: every neuron (checked above)
-            G.gate_up_t, G.ffn_thin = gpu.weight(L.gate_up_t).to_device(), sites(L, 2, 3)
+        G = GpuLayer(attention=attention, predictor=predictor, ffn=None,
+                     ffn_norm=tuple(cuda.to_device(a) for a in self.host.norm_weights(L, FFN_NORM)))
+        GPU_FFN[type(L.ffn)](self, l, L.ffn, G)
         return G
 
-    def ffn_side(self, G: GpuLayer):
-        """The FFN block of a layer: all on the CPU, all on the GPU, or split between them per token."""
-        if len(G.cold_all) == self.config.d_ffn and G.predictor is None:
-            return self.cpu_ffn
-        if G.gate_up_t is not None:
-            return self.gpu_thinned_ffn
-        if len(G.cold_all) == 0 and (G.predictor is not None or not self.selector.predicts):
-            return self.gpu_ffn
-        return self.hybrid_ffn_block
+    def bundles_on_gpu(self, l: int, ffn, G: GpuLayer) -> None:
+        """Bundles (and CatsBundles): the placement's neurons of layer l on the GPU, the rest on the CPU; the block
+        runs all on one side where the other has none of its neurons (nor its predictor), else split per token."""
+        ids, F = self.gpu_neurons[l], self.config.d_ffn
+        slot = np.full(F, -1, np.int32)
+        slot[ids] = np.arange(len(ids), dtype=np.int32)
+        bundle = ffn.bundle[ids] if len(ids) else np.zeros((1, *ffn.bundle.shape[1:]), ffn.bundle.dtype)
+        G.ffn = GpuBundles(bundle=gpu.weight(bundle).to_device(),
+                           bu=cuda.to_device(ffn.bu[ids] if ffn.bu.size else ffn.bu), bd=cuda.to_device(ffn.bd),
+                           slot=slot, hot_all=cuda.to_device(np.arange(max(len(ids), 1), dtype=np.int32)),
+                           cold_all=np.flatnonzero(slot < 0).astype(np.int32), kind=ffn.kind(self.host))
+        if len(ids) == 0 and G.predictor is None:
+            G.run_ffn = self.cpu_ffn
+        elif len(ids) == F and (G.predictor is not None or not self.selector.predicts):
+            G.run_ffn = self.gpu_ffn
+        else:
+            G.run_ffn = self.hybrid_ffn_block
+
+    def thinned_on_gpu(self, l: int, ffn, G: GpuLayer) -> None:
+        """ThinnedFFN: every neuron of layer l on the GPU, or none (its input is read by every neuron)."""
+        ids, F = self.gpu_neurons[l], self.config.d_ffn
+        if len(ids) == 0:
+            G.run_ffn = self.cpu_ffn
+            return
+        if len(ids) < F:
+            raise UserError(f"placement: layer {l} splits an FFN that activation sparsity (teal, wina) thins "
+                            "as a whole; place whole layers (--policy layers)")
+        self.gpu_neurons[l] = np.arange(F, dtype=np.int32)
+        G.ffn = GpuThinnedFFN(gate_up_t=gpu.weight(ffn.gate_up_t).to_device(),
+                              down_t=gpu.weight(ffn.down_t).to_device(), bu=cuda.to_device(ffn.bu),
+                              bd=cuda.to_device(ffn.bd), kind=ffn.kind(self.host), thin=sites(ffn.thin, 2, 3))
+        G.run_ffn = self.gpu_thinned_ffn
 
     def gpu_thinned_ffn(self, l: int, h: Residual) -> None:
-        """A thinned FFN (activation sparsity: fast.engine's thinned Engine.ffn_block) all on the GPU."""
-        G, h_d = self.gpu_layers[l], h.gpu()
+        """A thinned FFN (fast.layers.ThinnedFFN) all on the GPU."""
+        f, h_d = self.gpu_layers[l].ffn, h.gpu()
         y_d = gpu.scratch("y_thinned", h_d.shape)
-        gpu.thinned_ffn_block(y_d, h_d, *G.ffn_norm, G.gate_up_t, G.bundle, G.bu, G.bd, *G.kind, G.ffn_thin,
-                              self.host.eps)
+        gpu.thinned_ffn_block(y_d, h_d, *self.gpu_layers[l].ffn_norm, f.gate_up_t, f.down_t, f.bu, f.bd, *f.kind,
+                              f.thin, self.host.eps)
         gpu.add(h_d, y_d)
 
     @property
@@ -184,11 +224,12 @@ class HybridEngine(Decoder):
 
     def gpu_attention(self, l: int, h: Residual, batch: Batch, cache: KVCache):
         """ref's attention block on the GPU, a sequence's run at a time; its output [T, D] stays there."""
-        h_d = h.gpu()
+        A, h_d = self.gpu_layers[l].attention, h.gpu()
         o = gpu.scratch("attn_out", h_d.shape)
         for seq, a, b in batch.runs():
-            gpu.attention_block(o[a:b], h_d[a:b], *self.gpu_layers[l].attention, cache.k[l][seq], cache.v[l][seq],
-                                self.cos_d, self.sin_d, batch.positions[a], self.host.eps, self.gpu_layers[l].attn_thin)
+            gpu.attention_block(o[a:b], h_d[a:b], A.norm_w, A.norm_b, A.wqkv, A.bqkv, A.qk_norms, A.wo, A.bo,
+                                cache.k[l][seq], cache.v[l][seq], self.cos_d, self.sin_d, batch.positions[a],
+                                self.host.eps, A.thin)
         return o
 
     def cpu_ffn(self, l: int, h: Residual) -> None:
@@ -199,10 +240,10 @@ class HybridEngine(Decoder):
         """Every neuron of the layer on the GPU: the whole block there (gpu.ffn_block), nothing copied to the host
         but the predictor's logits."""
         G, host, h_d = self.gpu_layers[l], self.host, h.gpu()
-        y_d = gpu.scratch("y_gpu", (1, self.config.d_model))
+        f, y_d = G.ffn, gpu.scratch("y_gpu", (1, self.config.d_model))
         for t in range(h_d.shape[0]):
-            hot_d, n_hot, _ = self.split(G, self.active_set(l, h, t))
-            gpu.ffn_block(y_d[0], None, h_d[t], *G.ffn_norm, G.bundle, G.bu, G.bd, hot_d, n_hot, *G.kind, host.eps)
+            hot_d, n_hot, _ = self.split(f, self.active_set(l, h, t))
+            gpu.ffn_block(y_d[0], None, h_d[t], *G.ffn_norm, f.bundle, f.bu, f.bd, hot_d, n_hot, *f.kind, host.eps)
             gpu.add(h_d[t:t + 1], y_d)
 
     def active_set(self, l: int, h: Residual, t: int) -> np.ndarray:
@@ -215,11 +256,11 @@ class HybridEngine(Decoder):
         gpu.predictor(logits, hidden, h.a[t:t + 1], fc1, fc2)
         return sel.pick(l, logits[0].copy_to_host(sel.logits))
 
-    def split(self, G: GpuLayer, active: np.ndarray) -> tuple[object, int, np.ndarray]:
-        """A token's active set as (rows of G.bundle on the device, their count, the CPU's neuron ids)."""
+    def split(self, f: GpuBundles, active: np.ndarray) -> tuple[object, int, np.ndarray]:
+        """A token's active set as (rows of f.bundle on the device, their count, the CPU's neuron ids)."""
         if len(active) == self.config.d_ffn:
-            return G.hot_all, len(G.slot) - len(G.cold_all), G.cold_all
-        slots = G.slot[active]
+            return f.hot_all, len(f.slot) - len(f.cold_all), f.cold_all
+        slots = f.slot[active]
         hot, cold = slots[slots >= 0], np.ascontiguousarray(active[slots < 0])
         hot_d = gpu.scratch("hot", max(len(hot), 1), np.int32)
         if len(hot):
@@ -246,15 +287,15 @@ class HybridEngine(Decoder):
     def hybrid_ffn_block(self, l: int, h: Residual) -> None:
         """h += y_gpu(P ∩ G) + y_cpu(P \\ G) (+ bd): the GPU half is launched, the CPU half computed meanwhile, and
         the other side's partial crosses over to where the residual lives."""
-        G, L, host = self.gpu_layers[l], self.host.layers[l], self.host
+        f, L, host = self.gpu_layers[l].ffn, self.host.layers[l].ffn, self.host
         x, x_d = self.ffn_input(l, h)
         y_d, y_cpu_d = gpu.scratch("y_gpu", (1, x.shape[1])), gpu.scratch("y_cpu", (1, x.shape[1]))
         for t in range(x.shape[0]):
-            hot_d, n_hot, cold = self.split(G, self.active_set(l, h, t))
+            hot_d, n_hot, cold = self.split(f, self.active_set(l, h, t))
             if n_hot:  # launched, not waited for
-                gpu.sparse_ffn(y_d[0], None, x_d[t], G.bundle, G.bu, hot_d, n_hot, *G.kind)
+                gpu.sparse_ffn(y_d[0], None, x_d[t], f.bundle, f.bu, hot_d, n_hot, *f.kind)
             if len(cold):
-                cpu.sparse_ffn(self.y_cpu[0], host.acc, x[t], L.bundle, L.bu, cold, len(cold), *G.kind)
+                cpu.sparse_ffn(self.y_cpu[0], host.acc, x[t], L.bundle, L.bu, cold, len(cold), *f.kind)
             if h.on_gpu:
                 if n_hot:
                     gpu.add(h.a[t:t + 1], y_d)
@@ -268,7 +309,7 @@ class HybridEngine(Decoder):
                 if len(cold):
                     h.a[t] += self.y_cpu[0]
         if L.bd.size:  # once, whichever side computed the neurons
-            gpu.add_bias(h.a, G.bd) if h.on_gpu else cpu.add_bias(h.a, L.bd)
+            gpu.add_bias(h.a, f.bd) if h.on_gpu else cpu.add_bias(h.a, L.bd)
 
     def forward(self, batch: Batch, cache: KVCache) -> np.ndarray:
         """Logits [N, V] of the batch's output rows; each block runs where the placement put it, the residual
@@ -323,9 +364,15 @@ HYBRID_BLOCKS = {"pre_norm": pre_norm_block, "post_norm": post_norm_block, "para
                  "parallel_shared": parallel_block}
 
 
-def sites(L, a: int, b: int) -> tuple:
+def sites(thin: Thin, a: int, b: int) -> tuple:
     """Activation sparsity's score weights (on the device) and thresholds of two sites of a layer: (wa, ta, wb, tb)."""
-    return cuda.to_device(L.thin.w[a]), L.thin.t[a], cuda.to_device(L.thin.w[b]), L.thin.t[b]
+    return cuda.to_device(thin.w[a]), thin.t[a], cuda.to_device(thin.w[b]), thin.t[b]
+
+
+# Each FFN variant's GPU half (fast.layers): what it uploads of a layer and which method runs its block. Dense and
+# StoredDown are bundled before (to_hybrid); a mixture of experts adds its entry here.
+GPU_FFN = {Bundles: HybridEngine.bundles_on_gpu, CatsBundles: HybridEngine.bundles_on_gpu,
+           ThinnedFFN: HybridEngine.thinned_on_gpu}
 
 
 def require_gpu(who: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from fast.engine import Decoder, Engine, apply_predictors, apply_sparsity, dense_ffn, stored_format
+from fast.engine import Decoder, Engine, apply_predictors, apply_activation_sparsity, dense_ffn, stored_format
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
@@ -71,7 +71,7 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     if run is not None:
         apply_predictors(engine, *run)
     if cut is not None:
-        apply_sparsity(engine, sparsity_method, cut, ffn=run is None)
+        apply_activation_sparsity(engine, sparsity_method, cut, ffn=run is None)
     if device != "cpu":
         engine = place_on_gpu(engine, Path(path), device, placement, vram_budget, policy)
     elif run is None and cut is None:

@@ -20,8 +20,8 @@ import numpy as np
 
 from fast.load import load_engine, say_compiling
 from ref.common.checkpoint import load_checkpoint
-from ref.common.cli import (FORMAT_CHOICE, activation_sparsity_options, cache_types, kv_cache_options, resolve_model,
-                            user_errors)
+from ref.common.cli import (FORMAT_CHOICE, ActivationSparsityFlags, PredictorFlags, activation_sparsity_options,
+                            cache_types, kv_cache_options, predictor_options, resolve_model, user_errors)
 from ref.common.tokenizer import load_tokenizer
 from ref.profile import corpus_tokens
 from ref.sparse import default_predictors
@@ -59,37 +59,30 @@ def estimate(nll: np.ndarray) -> tuple[float, float]:
 @click.option("-t", "--threads", type=int, default=None,
               help="CPU threads [default: the cores other processes leave idle].")
 @click.option("--type", "type_", type=FORMAT_CHOICE, default=None, help="Weight format [default: as stored].")
-@click.option("--dense", is_flag=True, help="The dense FFN (no predictors).")
-@click.option("--predictors", type=click.Path(path_type=Path), default=None,
-              help="[default: MODEL_DIR/predictors.safetensors, or a PowerInfer file's own]")
-@click.option("--predictor-type", type=FORMAT_CHOICE, default=None, help="Format to run the predictors in.")
+@predictor_options
 @activation_sparsity_options
 @kv_cache_options
 @user_errors
-def main(model_dir, model, text_file, ctx, chunks, threads, type_, dense, predictors, predictor_type, sparsity,
-         sparsity_method, sparsity_file, cache_type_k, cache_type_v):
+def main(model_dir, model, text_file, ctx, chunks, threads, type_, pred: PredictorFlags, act: ActivationSparsityFlags,
+         cache_type_k, cache_type_v):
     """Perplexity of MODEL_DIR (default: the shipped model) on a text file, scored as llama-perplexity scores it."""
     path = resolve_model(model_dir, model)
-    if dense and predictors is not None:
-        raise UserError("--dense and --predictors contradict each other")
+    pred.check(), act.check()
     if not text_file.is_file():
         raise UserError(f"-f/--file {text_file}: no such file")
     w = load_checkpoint(path)
     if not 2 <= ctx <= w.config.max_seq_len:
         raise UserError(f"-c/--ctx-size must be in [2, {w.config.max_seq_len}] (the model's context), got {ctx}")
-    predictors = default_predictors(path, predictors, dense)
+    predictors = default_predictors(path, pred.predictors, dense=pred.dense)
     tok = load_tokenizer(path)
     tokens = np.asarray([i for ids, _ in corpus_tokens(tok, text_file) for i in ids], dtype=np.int64)
     if len(tokens) < 2 * ctx:
         raise UserError(f"-f/--file {text_file}: {len(tokens)} tokens; scoring with -c {ctx} needs at least {2 * ctx}")
     n_chunks = len(tokens) // ctx if chunks < 0 else min(chunks, len(tokens) // ctx)
     engine = load_engine(path, predictors=predictors, threads=threads, type_=type_,
-                         predictor_type=None if predictors is None else predictor_type, notice=say_compiling,
-                         sparsity=sparsity, sparsity_method=sparsity_method, sparsity_file=sparsity_file,
-                         cache_types=cache_types(cache_type_k, cache_type_v))
-    kind = "predictor-sparse" if engine.selector.predicts else "dense"
-    if sparsity:
-        kind += f", activation sparsity {sparsity:g} ({sparsity_method})"
+                         predictor_threshold=pred.predictor_threshold, predictor_type=pred.predictor_type,
+                         notice=say_compiling, cache_types=cache_types(cache_type_k, cache_type_v), **act.options())
+    kind = ("predictor-sparse" if engine.selector.predicts else "dense") + act.about()
     click.echo(f"perplexity: {len(tokens):,} tokens, {n_chunks} chunks of {ctx}, scoring the second half of each; "
                f"weights {engine.format.name}, KV cache {'/'.join(engine.kv_types)}, FFN {kind}", err=True)
     nll = []

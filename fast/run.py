@@ -11,8 +11,9 @@ from pathlib import Path
 import click
 
 from fast.load import DEVICES, POLICIES, load_engine, say_compiling
-from ref.common.cli import (FORMAT_CHOICE, Generation, Sparsity, generate_session, generation_options, sparsity_options,
-                           user_errors)
+from ref.common.cli import (FORMAT_CHOICE, ActivationSparsityFlags, Generation, PredictorFlags,
+                            activation_sparsity_options, generate_session, generation_options, predictor_options,
+                            user_errors)
 from ref.common.tokenizer import load_tokenizer
 from ref.sparse import EMBEDDED, default_predictors
 
@@ -29,13 +30,15 @@ from ref.sparse import EMBEDDED, default_predictors
 @click.option("--placement", type=click.Path(path_type=Path), default=None, help="Placement file [default: solved for the budget].")
 @click.option("--policy", type=click.Choice(POLICIES), default="hybrid", show_default=True,
               help="hybrid: PowerInfer's neuron split; layers: llama.cpp-style whole layers on the GPU.")
-@sparsity_options
+@predictor_options
+@activation_sparsity_options
 @click.option("--json", "json_file", type=click.Path(path_type=Path), default=None, help="Write a timing summary as JSON.")
 @user_errors
-def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, placement, policy, json_file):
+def main(gen: Generation, pred: PredictorFlags, act: ActivationSparsityFlags, threads, type_, device, vram_budget,
+         placement, policy, json_file):
     """Generate text from MODEL_DIR (an HF folder or a GGUF file; default: the shipped model) with the numba engine."""
     model_dir = gen.check().model_dir
-    ffn.check()
+    pred.check(), act.check()
     if device == "cpu":
         gpu_only = [flag for flag, value in (("--vram-budget", vram_budget), ("--placement", placement),
                                              ("--policy", policy if policy != "hybrid" else None)) if value is not None]
@@ -43,19 +46,17 @@ def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, pl
             raise UserError(f"{gpu_only[0]} places weights on a GPU: it needs --device gpu or hybrid")
     if json_file is not None and not json_file.parent.is_dir():
         raise UserError(f"--json {json_file}: folder {json_file.parent} does not exist")
-    predictors = default_predictors(model_dir, ffn.predictors, ffn.dense)
+    predictors = default_predictors(model_dir, pred.predictors, dense=pred.dense)
     t0 = time.perf_counter()
     engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
-                         threads=threads, predictor_threshold=ffn.predictor_threshold, policy=policy, type_=type_,
-                         predictor_type=ffn.predictor_type, notice=say_compiling, sparsity=ffn.sparsity,
-                         sparsity_method=ffn.sparsity_method, sparsity_file=ffn.sparsity_file,
-                         cache_types=gen.cache_types)
+                         threads=threads, predictor_threshold=pred.predictor_threshold, policy=policy, type_=type_,
+                         predictor_type=pred.predictor_type, notice=say_compiling, cache_types=gen.cache_types,
+                         **act.options())
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
     source = f"{model_dir}'s own" if predictors == EMBEDDED else predictors
     mode = f"sparse ({source}, threshold {engine.selector.threshold})" if engine.selector.predicts else "dense"
-    if ffn.sparsity:
-        mode += f"; activation sparsity {ffn.sparsity:g} ({ffn.sparsity_method})"
+    mode += act.about()
     threads_line = f"{engine.threads} thread{'s' if engine.threads > 1 else ''}"
     about = (f"; {threads_line}; weights {engine.format.name}; FFN {mode}; KV cache {'/'.join(engine.kv_types)}; "
              f"kernels ready in {engine.compile_seconds:.2f} s")
@@ -64,7 +65,7 @@ def main(gen: Generation, ffn: Sparsity, threads, type_, device, vram_budget, pl
         json_file.write_text(json.dumps({
             "load_seconds": load_seconds, "compile_seconds": engine.compile_seconds, "threads": engine.threads,
             "type": engine.format.name,
-            "sparse": engine.selector.predicts, "sparsity": ffn.sparsity or 0.0, "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
+            "sparse": engine.selector.predicts, "sparsity": act.sparsity or 0.0, "prompt_tokens": timings.prompt_tokens, "prompt_seconds": timings.prompt_seconds,
             "eval_tokens": timings.eval_tokens, "eval_seconds": timings.eval_seconds,
             "eval_tok_s": timings.eval_tokens / timings.eval_seconds if timings.eval_seconds else 0.0,
             "generated": len(out), "stop": timings.stop}, indent=2) + "\n")

@@ -17,7 +17,7 @@ from placement.cost import (CPU_KERNELS, GPU_EFFICIENCY, Parts, cpu_only, flops_
                             prompt_seconds)
 from placement.synthetic import firing
 from ref.common.artifacts import load_activations
-from ref.common.cli import FORMAT_CHOICE, user_errors
+from ref.common.cli import FORMAT_CHOICE, renamed, user_errors
 from ref.common.config import SHAPES, ModelConfig, shape_config
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -38,14 +38,14 @@ def model_config(model: str, layers: int | None) -> tuple[ModelConfig, Path | No
 
 
 def firing_of(cfg: ModelConfig, folder: Path | None, sparsity: float | None) -> tuple[np.ndarray, str]:
-    """Each neuron's firing probability [L, F]: the folder's profile (activations.safetensors) unless --sparsity
-    asks for a power law with that mean."""
+    """Each neuron's firing probability [L, F]: the folder's profile (activations.safetensors) unless
+    --predicted-sparsity asks for a power law with that mean."""
     if sparsity is None and folder is not None and (folder / "activations.safetensors").is_file():
         counts, tokens, _ = load_activations(folder / "activations.safetensors", cfg.n_layers, cfg.d_ffn)
         return counts / max(tokens, 1), f"profiled firing ({folder / 'activations.safetensors'})"
     s = 0.9 if sparsity is None else sparsity
     if not 0 <= s < 1:
-        raise UserError(f"--sparsity must be in [0, 1), got {s:g}")
+        raise UserError(f"--predicted-sparsity must be in [0, 1), got {s:g}")
     p = firing(cfg.d_ffn, s)
     rng = np.random.default_rng(0)
     return np.stack([p[rng.permutation(cfg.d_ffn)] for _ in range(cfg.n_layers)]), f"power-law firing, sparsity {s:g}"
@@ -58,8 +58,9 @@ def firing_of(cfg: ModelConfig, folder: Path | None, sparsity: float | None) -> 
 @click.option("--vram", type=float, default=None, help="GiB of GPU memory each GPU gives the model [default: all].")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs of the profile's kind.")
 @click.option("--type", "type_", type=FORMAT_CHOICE, default="q4_0", show_default=True, help="Weight format.")
-@click.option("--sparsity", type=float, default=None,
+@click.option("--predicted-sparsity", "sparsity", type=float, default=None,
               help="Mean share of FFN neurons idle per token [default: the folder's profile, else 0.9].")
+@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
 @click.option("-c", "--ctx-size", type=int, default=4096, show_default=True, help="Positions the KV cache holds.")
 @click.option("--depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="Positions cached when a token decodes (their keys and values are read).")

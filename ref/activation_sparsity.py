@@ -123,7 +123,7 @@ def thinned_sites(model: Model, method: str, ffn: bool) -> dict[str, tuple[int, 
 
 def thin_inputs(model: Model, method: str, cut: np.ndarray, ffn: bool = True) -> Model:
     """Each thinned matrix reads its input thinned by the thresholds cut [L, 4]; CATS's FFN by neurons where `ffn`.
-    The weights as they are (apply_sparsity stores them for it first). `model.thinning` counts."""
+    The weights as they are (apply_activation_sparsity stores them for it first). `model.thinning` counts."""
     site_of = thinned_sites(model, method, ffn)
     counted = {n for n, (l, s) in site_of.items() if n == site_matrices(model, l, SITES[s])[0]}
     thinning = model.thinning = Thinning(model, method, cut)
@@ -141,7 +141,7 @@ def thin_inputs(model: Model, method: str, cut: np.ndarray, ffn: bool = True) ->
     return model
 
 
-def apply_sparsity(model: Model, method: str, cut: np.ndarray, ffn: bool = True) -> Model:
+def apply_activation_sparsity(model: Model, method: str, cut: np.ndarray, ffn: bool = True) -> Model:
     """Training-free activation sparsity: each linear layer's input thinned at its site by the thresholds cut [L, 4]
     (`method`'s scores), the FFN's too where `ffn` (a predictor-sparse FFN keeps its own), the thinned matrices
     stored transposed. Applied after quantize_model."""

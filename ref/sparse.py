@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ref.activation_sparsity import apply_sparsity, sparsity_to_run
+from ref.activation_sparsity import apply_activation_sparsity, sparsity_to_run
 from ref.common.artifacts import Predictors
 from ref.common.formats import Format, format_of
 from ref.common.safetensors import upcast
@@ -145,7 +145,7 @@ def apply_predictors(model: Model, predictors: str | Path | Predictors, threshol
 EMBEDDED = "embedded"  # the predictors a checkpoint carries (a PowerInfer GGUF's, TurboSparse's), where it has them
 
 
-def default_predictors(path: str | Path, predictors, dense: bool):
+def default_predictors(path: str | Path, predictors=None, dense: bool = False):
     """The predictors a CLI runs (python -m ref and fast.run alike): those given; with none given and not --dense, a
     folder's predictors.safetensors, else the checkpoint's own (EMBEDDED: dense where it has none); None for dense."""
     if predictors is not None or dense:
@@ -171,16 +171,17 @@ def predictors_to_run(cfg, source, own: Predictors | None, fmt: Format, threshol
     return (pred if source == EMBEDDED else predictors_beside(pred, fmt)), threshold
 
 
-def load_model(path: str | Path, predictors=None, dtype=np.float32, threshold: float | None = None,
-               predictor_type: str | None = None, sparsity: float | None = None, method: str = "teal",
+def load_model(path: str | Path, predictors=None, dtype=np.float32, predictor_threshold: float | None = None,
+               predictor_type: str | None = None, sparsity: float | None = None, sparsity_method: str = "teal",
                sparsity_file: Path | None = None) -> Model:
     """`Model.load(path)`, made predictor-gated sparse by `apply_predictors` where `predictors` (a file, loaded
     Predictors, or EMBEDDED) gives any, as `predictors_to_run` stores them; then with activation sparsity where
     `sparsity` asks (ref.activation_sparsity; the FFN's only without predictors)."""
     model = Model.load(path, dtype)
     run = None if predictors is None else predictors_to_run(
-        model.config, predictors, model.weights.predictors, stored_format(model.weights), threshold, predictor_type)
+        model.config, predictors, model.weights.predictors, stored_format(model.weights), predictor_threshold,
+        predictor_type)
     if run is not None:
         apply_predictors(model, *run)
-    cut = sparsity_to_run(model.weights, path, sparsity, method, sparsity_file, ffn=run is None)
-    return model if cut is None else apply_sparsity(model, method, cut, ffn=run is None)
+    cut = sparsity_to_run(model.weights, path, sparsity, sparsity_method, sparsity_file, ffn=run is None)
+    return model if cut is None else apply_activation_sparsity(model, sparsity_method, cut, ffn=run is None)

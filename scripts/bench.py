@@ -19,7 +19,7 @@ from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode
                         dense_twin, overhead_per_token, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, server_twin, synthetic_predictors, thinned_twin)
 from ref.common.batch import KV_FORMATS
-from ref.common.cli import FORMAT_CHOICE, cache_types, positive_list, user_errors
+from ref.common.cli import FORMAT_CHOICE, cache_types, positive_list, renamed, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.predictor import predictor_size
 from ref.common.formats import FORMATS
@@ -28,11 +28,13 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="tinyllama-1.1b", show_default=True)
-@click.option("--sparsity", type=float, default=0.9, show_default=True,
-              help="Predicted sparsity: 1 - |P| / F (0: no predictors).")
+@click.option("--predicted-sparsity", "sparsity", type=float, default=0.9, show_default=True,
+              help="Predicted FFN sparsity: 1 - |P| / F (0: no predictors).")
 @click.option("--activation-sparsity", type=float, default=None,
               help="The sparse run thins every linear layer's input (TEAL; thresholds drawn to drop this share of "
-                   "each site's inputs): all of them with --sparsity 0, else attention's beside the predictors.")
+                   "each site's inputs): all of them with --predicted-sparsity 0, else attention's beside the "
+                   "predictors.")
+@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")
 @click.option("--type", "type_", type=FORMAT_CHOICE, default="f32", show_default=True,
               help="Weight format of the synthetic model.")
@@ -71,7 +73,7 @@ def main(shape, sparsity, activation_sparsity, layers, type_, predictor_type, th
 def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, runs, probe_gib, pp, sequences, with_peer,
         json_file, activation_sparsity=None, depth=0, kv=("f16", "f16")):
     if not 0 <= sparsity < 1:
-        raise click.UsageError("--sparsity must be in [0, 1)")
+        raise click.UsageError("--predicted-sparsity must be in [0, 1)")
     if activation_sparsity is not None and not 0 < activation_sparsity < 1:
         raise click.UsageError("--activation-sparsity must be in (0, 1)")
     if runs < 1 or tokens < 1:
@@ -112,7 +114,7 @@ def run(shape, sparsity, layers, type_, predictor_type, threads, busy, tokens, r
         prefill = prefill_rounds({**engines, "server": server_twin(engines["dense"])}, pp, runs, peer) if pp else {}
     together = {B: sequence_rounds(engines, B, tokens, runs) for B in batches}
     names = [*engines, *([LlamaCpp.name] if peer else [])]
-    predicting = isinstance(engine.selector, SyntheticSelector)  # not: activation sparsity alone (--sparsity 0)
+    predicting = isinstance(engine.selector, SyntheticSelector)  # not: activation sparsity alone (--predicted-sparsity 0)
     active = engine.selector.mean_active() if predicting else cfg.d_ffn  # neurons a sparse token computes
     nbytes = {"dense": bytes_per_token(engines["dense"], cfg.d_ffn, depth=depth),
               "sparse": bytes_per_token(engine, active, kept, depth)}

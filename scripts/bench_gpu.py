@@ -17,7 +17,7 @@ from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
 from placement.synthetic import synthetic_counts
-from ref.common.cli import FORMAT_CHOICE, positive_list, user_errors
+from ref.common.cli import FORMAT_CHOICE, positive_list, renamed, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -70,7 +70,9 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32", input_s
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="llama-7b", show_default=True)
 @click.option("--budgets", default="0.1,0.25,0.5,1.0", show_default=True, help="VRAM budgets as shares of the model's bytes.")
-@click.option("--sparsity", default=0.9, show_default=True, help="Predicted sparsity of the synthetic active sets.")
+@click.option("--predicted-sparsity", "sparsity", default=0.9, show_default=True,
+              help="Predicted FFN sparsity of the synthetic active sets.")
+@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
 @click.option("--activation-sparsity", default=0.5, show_default=True,
               help="Share of zero inputs in the input-sparse product's kernel (sparse_rows).")
 @click.option("--tokens", default=8, show_default=True)
@@ -88,7 +90,7 @@ def main(shape, budgets, sparsity, activation_sparsity, tokens, runs, type_, thr
     kernels = kernel_bandwidths(cfg.d_model, cfg.d_ffn, sparsity, type_, activation_sparsity)
     base = random_engine(cfg, threads, fmt=FORMATS[type_])
     pred = synthetic_predictors(cfg, predictor_size(cfg))
-    model_bytes = sum(L.wqkv.nbytes + L.wo.nbytes + L.bundle.nbytes for L in base.layers) + base.lm_head.nbytes
+    model_bytes = sum(L.attn.nbytes() + L.ffn.nbytes() for L in base.layers) + base.lm_head.nbytes
     counts = synthetic_counts(cfg.n_layers, cfg.d_ffn, seed=0)
     hw = HARDWARE["h200"]
     rows = []

@@ -18,7 +18,7 @@ from ref.common.formats import FORMATS, format_of
 from ref.common.config import ModelConfig
 from ref.profile import corpus_windows, window_size
 from ref.quant import quantize_model, quantize_predictors
-from ref.activation_sparsity import METHODS, SITES, apply_sparsity, model_sparsity, sparsity_to_run
+from ref.activation_sparsity import METHODS, SITES, apply_activation_sparsity, model_sparsity, sparsity_to_run
 from ref.common.errors import UserError
 from ref.sparse import apply_oracle, apply_predictors
 
@@ -38,7 +38,7 @@ def activation_table(load, windows, model_dir: Path, levels: list[float], method
         for s in levels:
             m = base()
             cut = sparsity_to_run(m.weights, model_dir, s, method, sparsity_file, allocation, predictors is None)
-            apply_sparsity(m, method, cut, ffn=predictors is None)
+            apply_activation_sparsity(m, method, cut, ffn=predictors is None)
             ppl, _ = perplexity(m, windows(), f"{method} {s:g} (pass {len(rows) + 2} of {passes})")
             realised = np.nan_to_num(m.thinning.realised())  # [L, 4]
             rows.append({"method": method, "sparsity": s, "perplexity": ppl,

@@ -30,6 +30,7 @@ from fast.engine import FFN_NORM, set_threads
 from placement.budget import HARDWARE
 from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, cpu_seconds, cpu_token_bytes, flops_per_byte
 from placement.synthetic import firing
+from ref.common.cli import renamed
 from ref.common.config import shape_config
 from ref.common.formats import FORMATS
 from ref.predictor import predictor_size
@@ -49,7 +50,7 @@ def bench(shape: str, layers: int | None, fmt: str, sparsity: float, threads: in
     """One scripts/bench.py run in its own process (its memory goes with it): its JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "b.json"
-        cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--shape", shape, "--type", fmt, "--sparsity",
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--shape", shape, "--type", fmt, "--predicted-sparsity",
                str(sparsity), "--tokens", str(tokens), "--runs", str(runs), "-t", str(threads), "--probe-gib", "0.5",
                "--json", str(out), *(["--layers", str(layers)] if layers else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -78,9 +79,10 @@ def neuron_share(shape: str, fmt: str, sparsity: float, threads: int, probe: Rea
         n, t0 = 0.0, time.perf_counter()
         for l, L in enumerate(e.layers):
             active = none if empty else sel.pick(l, None)
-            cpu.ffn_block(y, e.acc, h, *e.norm_weights(L, FFN_NORM), L.bundle, L.bu, L.bd, active, len(active),
-                          e.kind, e.thr, e.eps)
-            n += len(active) * L.bundle[0].nbytes
+            f = L.ffn
+            cpu.ffn_block(y, e.acc, h, *e.norm_weights(L, FFN_NORM), f.bundle, f.bu, f.bd, active, len(active), e.kind,
+                          e.thr, e.eps)
+            n += len(active) * L.ffn.bundle[0].nbytes
         return n, time.perf_counter() - t0
 
     block(False)
@@ -133,7 +135,9 @@ def predict(p: Parts, fmt: str, sparsity: float, bandwidth: float, kernels: Kern
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--formats", default="f16,q8_0,q4_0", show_default=True)
-@click.option("--sparsity", type=float, default=0.9, show_default=True)
+@click.option("--predicted-sparsity", "sparsity", type=float, default=0.9, show_default=True,
+              help="Predicted FFN sparsity of the synthetic active sets.")
+@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
 @click.option("-t", "--threads", type=int, default=2, show_default=True)
 @click.option("--tokens", type=int, default=8, show_default=True)
 @click.option("--runs", type=int, default=3, show_default=True)

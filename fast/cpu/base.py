@@ -95,7 +95,7 @@ def copy_rows(out, x):
 
 @njit(fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def norm(out, x, w, b, eps):
-    """The norm a layout stores (fast.engine.Layer): none (w empty: out = x), RMSNorm (w), LayerNorm (w and b).
+    """The norm a layout stores (fast.layers.Layer): none (w empty: out = x), RMSNorm (w), LayerNorm (w and b).
     out may be x.  out, x: [T, D]; w, b: [D] or [0]."""
     if w.size == 0:
         copy_rows(out, x)

@@ -66,10 +66,10 @@ def gated(gates, up, m, a, lo, g, j, bundle, active, bias, span, kind, thr):
 @njit(fastmath=FASTMATH, inline="always")
 def read_up4(gates, up, m, a, lo, bundle, active, x, xq, xd, xs, kind, thr):
     """The four oldest of the m >= 4 waiting up rows read at once, their neurons' activations into a. -> m - 4."""
-    u0, u1, u2, u3 = dot4(bundle[active[up[0]], 1], bundle[active[up[1]], 1], bundle[active[up[2]], 1],
-                          bundle[active[up[3]], 1], x, xq, xd, xs)
-    a[up[0] - lo], a[up[1] - lo] = activation(kind, gates[0], u0, thr), activation(kind, gates[1], u1, thr)
-    a[up[2] - lo], a[up[3] - lo] = activation(kind, gates[2], u2, thr), activation(kind, gates[3], u3, thr)
+    u = dot4(bundle[active[up[0]], 1], bundle[active[up[1]], 1], bundle[active[up[2]], 1], bundle[active[up[3]], 1],
+             x, xq, xd, xs)
+    for k in range(4):  # one inlined activation, not four: each copy costs numba's front end a second to compile
+        a[up[k] - lo] = activation(kind, gates[k], u[k], thr)
     for k in range(4, m):
         gates[k - 4], up[k - 4] = gates[k], up[k]
     return m - 4
@@ -94,10 +94,9 @@ def chunk_activations(a, x, xq0, xd0, xs0, bundle, bias, active, lo, hi, kind, t
         g0, g1, g2, g3 = dot4_ahead(bundle[i0, 0], bundle[i1, 0], bundle[i2, 0], bundle[i3, 0],
                                     bundle[active[jn], 0], bundle[active[jn + q], 0], bundle[active[jn + 2 * q], 0],
                                     bundle[active[jn + 3 * q], 0], x, xq0, xd0, xs0)
-        m = gated(gates, up, m, a, lo, g0, j, bundle, active, bias, span, kind, thr)
-        m = gated(gates, up, m, a, lo, g1, j + q, bundle, active, bias, span, kind, thr)
-        m = gated(gates, up, m, a, lo, g2, j + 2 * q, bundle, active, bias, span, kind, thr)
-        m = gated(gates, up, m, a, lo, g3, j + 3 * q, bundle, active, bias, span, kind, thr)
+        g = (g0, g1, g2, g3)
+        for k in range(4):
+            m = gated(gates, up, m, a, lo, g[k], j + k * q, bundle, active, bias, span, kind, thr)
         if m >= 8:
             m = read_up4(gates, up, m, a, lo, bundle, active, x, xq0, xd0, xs0, kind, thr)
     for j in range(lo + 4 * q, hi):  # the chunk's last neurons, one at a time
@@ -250,12 +249,32 @@ def row_products(out, w, x, xq, xd, xs, tokens, n):
         out[k] = dot(w, x[t], xq[t], xd[t], xs[t])
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def add_down(y, tokens, acts, n, down):
+    """y[tokens[k]] += acts[k] down for the k < n whose activation is not 0 (only they add the down row), the row read
+    once for four tokens (axpy4t), then two, then one."""
+    m = 0
+    for k in range(n):
+        tokens[m], acts[m] = tokens[k], acts[k]
+        m += acts[k] != 0
+    for k in range(0, m - 3, 4):
+        axpy4t(y, tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3], acts[k], acts[k + 1], acts[k + 2], acts[k + 3],
+               down)
+    k = m - m % 4
+    if m - k >= 2:
+        axpy2t(y, tokens[k], tokens[k + 1], acts[k], acts[k + 1], down)
+        k += 2
+    if k < m:
+        axpy(y[tokens[k]], acts[k], down)
+
+
 @njit(fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr, span):
     """y[t] += the FFN of token t over union neurons lo..hi it computes (sparse_ffn_batch's chunk), a neuron at a
     time: its tokens four at a time (each row element loaded once for four tokens). Block formats read the gate row,
     then the up row only against the tokens whose gate is open (gate_open), float formats the gate and up rows in one
-    pass (dot2_4t, which shares the loop); the down row goes only into the tokens whose activation is not 0."""
+    pass (dot2_4t, which shares the loop); the down row goes only into the tokens whose activation is not 0
+    (add_down)."""
     T, P = x.shape[0], bundle.shape[1]
     tokens, acts = np.empty(T, np.int64), np.empty(T, np.float32)  # a neuron's tokens and their activations
     gates = np.empty(T, np.float32)
@@ -290,8 +309,9 @@ def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr,
                 else:
                     g0, g1, g2, g3 = dot4t(b[0], x, xq, xd, xs, t0, t1, t2, t3)
                     u0 = u1 = u2 = u3 = one
-                acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
-                acts[k + 2], acts[k + 3] = activation(kind, g2 + bi, u2, thr), activation(kind, g3 + bi, u3, thr)
+                gs, us = (g0, g1, g2, g3), (u0, u1, u2, u3)
+                for s in range(4):  # one inlined activation (read_up4)
+                    acts[k + s] = activation(kind, gs[s] + bi, us[s], thr)
             k = n - n % 4
             if n - k >= 2:  # two more tokens: the power law's usual case at a few sequences
                 t0, t1 = tokens[k], tokens[k + 1]
@@ -300,25 +320,15 @@ def ffn_neurons(y, x, xq, xd, xs, bundle, bias, active, lo, hi, mask, kind, thr,
                 else:
                     g0, g1 = dot2t(b[0], x, xq, xd, xs, t0, t1)
                     u0 = u1 = one
-                acts[k], acts[k + 1] = activation(kind, g0 + bi, u0, thr), activation(kind, g1 + bi, u1, thr)
+                gs2, us2 = (g0, g1), (u0, u1)
+                for s in range(2):
+                    acts[k + s] = activation(kind, gs2[s] + bi, us2[s], thr)
                 k += 2
             if k < n:
                 t = tokens[k]
                 g, u = pre_activations(b, bias, i, x[t], xq[t], xd[t], xs[t])
                 acts[k] = activation(kind, g, u, thr)
-        m = 0  # the tokens whose activation is not 0: only they add the down row
-        for k in range(n):
-            tokens[m], acts[m] = tokens[k], acts[k]
-            m += acts[k] != 0
-        for k in range(0, m - 3, 4):  # the down row read once for four tokens
-            axpy4t(y, tokens[k], tokens[k + 1], tokens[k + 2], tokens[k + 3], acts[k], acts[k + 1], acts[k + 2],
-                   acts[k + 3], b[P - 1])
-        k = m - m % 4
-        if m - k >= 2:
-            axpy2t(y, tokens[k], tokens[k + 1], acts[k], acts[k + 1], b[P - 1])
-            k += 2
-        if k < m:
-            axpy(y[tokens[k]], acts[k], b[P - 1])
+        add_down(y, tokens, acts, n, b[P - 1])
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)

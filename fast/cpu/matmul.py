@@ -82,73 +82,77 @@ def matmul_rows(out, x, w, xq, xd, xs, lo, hi):
     """out[:, rows] = x @ w[rows].T for w's rows lo..hi, or its interleaved groups lo..hi (matmul's chunk)."""
 
 
+def group_rows(out, x, w, xq, xd, xs, lo, hi):
+    """matmul_rows of interleaved q8_0 / q4_0 groups lo..hi: four tokens against two groups at once (each group
+    unpacked once per four tokens), or one token against four groups."""
+    reach = np.int64(w.shape[1] + 8)  # the next group's first blocks too
+    T = x.shape[0]
+    if T >= 4:  # 4+ tokens: each group block unpacked once per four tokens, two groups (halves) at once
+        half = (hi - lo) // 2
+        for g in range(lo, lo + half):
+            for t in range(0, T - 3, 4):
+                r = block_dot8x2_4t(w[g], w[g + half], xq, xd, xs, reach, t, t + 1, t + 2, t + 3)
+                for s in range(2):
+                    for k in range(4):
+                        for i in range(ROWS):
+                            out[t + k, (g + s * half) * ROWS + i] = r[(4 * s + k) * ROWS + i]
+            for t in range(T - T % 4, T):
+                group_dot(out, w, g, xq, xd, xs, t, reach)
+                group_dot(out, w, g + half, xq, xd, xs, t, reach)
+        if (hi - lo) % 2:
+            g = hi - 1
+            for t in range(0, T - 3, 4):
+                r = block_dot8_4t(w[g], xq, xd, xs, reach, t, t + 1, t + 2, t + 3)
+                for k in range(4):
+                    for i in range(ROWS):
+                        out[t + k, g * ROWS + i] = r[k * ROWS + i]
+            for t in range(T - T % 4, T):
+                group_dot(out, w, g, xq, xd, xs, t, reach)
+        return
+    q = (hi - lo) // 4
+    for g in range(lo, lo + q):
+        for t in range(x.shape[0]):
+            r = block_dot8x4(w[g], w[g + q], w[g + 2 * q], w[g + 3 * q], xq[t], xd[t], xs[t], reach)
+            for s in range(4):
+                for i in range(ROWS):
+                    out[t, (g + s * q) * ROWS + i] = r[s * ROWS + i]
+    for g in range(lo + 4 * q, hi):
+        for t in range(x.shape[0]):
+            group_dot(out, w, g, xq, xd, xs, t, reach)
+
+
+def float_rows(out, x, w, xq, xd, xs, lo, hi):
+    """matmul_rows of float rows: tiles of four rows by four tokens (tile4x4), fewer tokens as row streams."""
+    T = x.shape[0]
+    if T < 4:
+        row_streams(out, x, w, xq, xd, xs, lo, hi)
+        return
+    q = (hi - lo) // 4
+    for n in range(lo, lo + q):  # 4 rows, one from each quarter (STREAMS), x 4 tokens: 16 sums in registers
+        for t in range(0, T - 3, 4):
+            tile4x4(out, x, w, n, q, t)
+        for t in range(T - T % 4, T):
+            s0, s1, s2, s3 = dot4(w[n], w[n + q], w[n + 2 * q], w[n + 3 * q], x[t], xq[t], xd[t], xs[t])
+            out[t, n], out[t, n + q], out[t, n + 2 * q], out[t, n + 3 * q] = s0, s1, s2, s3
+    for m in range(lo + 4 * q, hi):
+        for t in range(T):
+            out[t, m] = dot(w[m], x[t], xq[t], xd[t], xs[t])
+
+
+def block_rows(out, x, w, xq, xd, xs, lo, hi):
+    """matmul_rows of plain q8_0 / q4_0 rows: each row unpacked once per four tokens (dot4t)."""
+    T = x.shape[0]
+    if T < 4:
+        row_streams(out, x, w, xq, xd, xs, lo, hi)
+        return
+    for n in range(lo, hi):  # q8_0/q4_0: each row unpacked once per four tokens (dot4t)
+        for t in range(0, T - 3, 4):
+            s0, s1, s2, s3 = dot4t(w[n], x, xq, xd, xs, t, t + 1, t + 2, t + 3)
+            out[t, n], out[t + 1, n], out[t + 2, n], out[t + 3, n] = s0, s1, s2, s3
+        for t in range(T - T % 4, T):
+            out[t, n] = dot(w[n], x[t], xq[t], xd[t], xs[t])
+
+
 @overload(matmul_rows, jit_options=JIT_OPTIONS)
 def _matmul_rows(out, x, w, xq, xd, xs, lo, hi):
-    if interleaved(w):
-        def groups(out, x, w, xq, xd, xs, lo, hi):
-            reach = np.int64(w.shape[1] + 8)  # the next group's first blocks too
-            T = x.shape[0]
-            if T >= 4:  # 4+ tokens: each group block unpacked once per four tokens, two groups (halves) at once
-                half = (hi - lo) // 2
-                for g in range(lo, lo + half):
-                    for t in range(0, T - 3, 4):
-                        r = block_dot8x2_4t(w[g], w[g + half], xq, xd, xs, reach, t, t + 1, t + 2, t + 3)
-                        for s in range(2):
-                            for k in range(4):
-                                for i in range(ROWS):
-                                    out[t + k, (g + s * half) * ROWS + i] = r[(4 * s + k) * ROWS + i]
-                    for t in range(T - T % 4, T):
-                        group_dot(out, w, g, xq, xd, xs, t, reach)
-                        group_dot(out, w, g + half, xq, xd, xs, t, reach)
-                if (hi - lo) % 2:
-                    g = hi - 1
-                    for t in range(0, T - 3, 4):
-                        r = block_dot8_4t(w[g], xq, xd, xs, reach, t, t + 1, t + 2, t + 3)
-                        for k in range(4):
-                            for i in range(ROWS):
-                                out[t + k, g * ROWS + i] = r[k * ROWS + i]
-                    for t in range(T - T % 4, T):
-                        group_dot(out, w, g, xq, xd, xs, t, reach)
-                return
-            q = (hi - lo) // 4
-            for g in range(lo, lo + q):
-                for t in range(x.shape[0]):
-                    r = block_dot8x4(w[g], w[g + q], w[g + 2 * q], w[g + 3 * q], xq[t], xd[t], xs[t], reach)
-                    for s in range(4):
-                        for i in range(ROWS):
-                            out[t, (g + s * q) * ROWS + i] = r[s * ROWS + i]
-            for g in range(lo + 4 * q, hi):
-                for t in range(x.shape[0]):
-                    group_dot(out, w, g, xq, xd, xs, t, reach)
-        return groups
-
-    if is_float(w):
-        def float_rows(out, x, w, xq, xd, xs, lo, hi):
-            T = x.shape[0]
-            if T < 4:
-                row_streams(out, x, w, xq, xd, xs, lo, hi)
-                return
-            q = (hi - lo) // 4
-            for n in range(lo, lo + q):  # 4 rows, one from each quarter (STREAMS), x 4 tokens: 16 sums in registers
-                for t in range(0, T - 3, 4):
-                    tile4x4(out, x, w, n, q, t)
-                for t in range(T - T % 4, T):
-                    s0, s1, s2, s3 = dot4(w[n], w[n + q], w[n + 2 * q], w[n + 3 * q], x[t], xq[t], xd[t], xs[t])
-                    out[t, n], out[t, n + q], out[t, n + 2 * q], out[t, n + 3 * q] = s0, s1, s2, s3
-            for m in range(lo + 4 * q, hi):
-                for t in range(T):
-                    out[t, m] = dot(w[m], x[t], xq[t], xd[t], xs[t])
-        return float_rows
-
-    def rows(out, x, w, xq, xd, xs, lo, hi):
-        T = x.shape[0]
-        if T < 4:
-            row_streams(out, x, w, xq, xd, xs, lo, hi)
-            return
-        for n in range(lo, hi):  # q8_0/q4_0: each row unpacked once per four tokens (dot4t)
-            for t in range(0, T - 3, 4):
-                s0, s1, s2, s3 = dot4t(w[n], x, xq, xd, xs, t, t + 1, t + 2, t + 3)
-                out[t, n], out[t + 1, n], out[t + 2, n], out[t + 3, n] = s0, s1, s2, s3
-            for t in range(T - T % 4, T):
-                out[t, n] = dot(w[n], x[t], xq[t], xd[t], xs[t])
-    return rows
+    return group_rows if interleaved(w) else float_rows if is_float(w) else block_rows

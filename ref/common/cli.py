@@ -93,12 +93,6 @@ def cache_types(k: str, v: str) -> tuple[str, str]:
     """-ctk, -ctv as load_engine's cache_types."""
     return k.lower(), v.lower()
 
-def kv_cache_options(f):
-    """A decorator adding -ctk and -ctv (keyword arguments cache_type_k, cache_type_v) to a command."""
-    for option in reversed(KV_FLAGS):
-        f = option(f)
-    return f
-
 
 GENERATION_FLAGS = [
     click.argument("model_dir", required=False, type=click.Path(path_type=Path)),
@@ -129,15 +123,17 @@ GENERATION_FLAGS = [
 ]
 
 
-def flag_group(cls, flags: list, keyword: str):
-    """A decorator adding click `flags` to a command, which receives their values as one `cls` (a dataclass whose
-    fields are the flags' names) in the argument `keyword`."""
-    names = [x.name for x in fields(cls)]
+def flag_group(flags: list, cls=None, keyword: str | None = None):
+    """A decorator adding click `flags` to a command: the command receives each value as its own argument, or with
+    `cls` (a dataclass whose fields are the flags' names) all of them as one `cls` in the argument `keyword`. The one
+    way the CLIs declare a group of flags they share."""
+    names = [x.name for x in fields(cls)] if cls is not None else []
 
     def decorate(f):
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
-            return f(*args, **{keyword: cls(**{n: kwargs.pop(n) for n in names})}, **kwargs)
+            grouped = {keyword: cls(**{n: kwargs.pop(n) for n in names})} if cls is not None else {}
+            return f(*args, **grouped, **kwargs)
 
         for option in reversed(flags):
             wrapper = option(wrapper)
@@ -145,27 +141,31 @@ def flag_group(cls, flags: list, keyword: str):
     return decorate
 
 
-generation_options = flag_group(Generation, GENERATION_FLAGS, "gen")  # llama.cpp's generation flags and defaults
+def renamed(old: str, new: str, meaning: str):
+    """A hidden flag `old` that refuses itself with one line naming `new`: a script's flag renamed so that one name
+    means one thing in every CLI (never silently another meaning)."""
+    def refuse(ctx, param, value):
+        if value is not None:
+            raise click.UsageError(f"{old} is activation sparsity in the CLIs; {meaning} here is {new}")
+    name = "renamed_" + old.lstrip("-").replace("-", "_")  # not the new flag's: click keeps values by name
+    return click.option(old, name, hidden=True, expose_value=False, callback=refuse, default=None)
+
+
+generation_options = flag_group(GENERATION_FLAGS, Generation, "gen")  # llama.cpp's generation flags and defaults
+kv_cache_options = flag_group(KV_FLAGS)  # -ctk and -ctv, as the arguments cache_type_k, cache_type_v
 
 
 @dataclass
-class Sparsity:
-    """The FFN flags both generation CLIs take, with the same defaults (ref.sparse.default_predictors,
+class PredictorFlags:
+    """The FFN's predictor flags of every CLI that loads a model, with the same defaults (ref.sparse.default_predictors,
     predictors_to_run): sparse with the model's predictors unless --dense."""
 
     dense: bool
     predictors: Path | None
     predictor_threshold: float | None
     predictor_type: str | None
-    sparsity: float | None
-    sparsity_method: str
-    sparsity_file: Path | None
 
-    def check(self) -> "Sparsity":
-        if self.sparsity is not None:
-            check_sparsity(self.sparsity)
-        if self.sparsity is None and self.sparsity_file is not None:
-            raise UserError("--sparsity-file holds thresholds for --sparsity S: pass --sparsity too")
+    def check(self) -> "PredictorFlags":
         if self.dense and self.predictors is not None:
             raise UserError("--dense and --predictors contradict each other")
         finite(self.predictor_threshold, "--predictor-threshold")
@@ -175,7 +175,44 @@ class Sparsity:
         return self
 
 
-ACTIVATION_SPARSITY_FLAGS = [  # activation sparsity (ref.activation_sparsity), in every CLI that loads a model
+PREDICTOR_FLAGS = [
+    click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors)."),
+    click.option("--predictors", type=click.Path(path_type=Path), default=None,
+                 help="Predictors file [default: MODEL_DIR/predictors.safetensors, else the checkpoint's own]."),
+    click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold."),
+    click.option("--predictor-type", type=FORMAT_CHOICE, default=None,
+                 help="Format to run the predictors in [default: a checkpoint's own as stored; a file's in the "
+                      "weights' format, q8_0 beside f16 and bf16]."),
+]
+predictor_options = flag_group(PREDICTOR_FLAGS, PredictorFlags, "pred")
+
+
+@dataclass
+class ActivationSparsityFlags:
+    """Training-free activation sparsity's flags (ref.activation_sparsity), the same in every CLI that loads a model:
+    --sparsity always means this."""
+
+    sparsity: float | None
+    sparsity_method: str
+    sparsity_file: Path | None
+
+    def check(self) -> "ActivationSparsityFlags":
+        if self.sparsity is not None:
+            check_sparsity(self.sparsity)
+        if self.sparsity is None and self.sparsity_file is not None:
+            raise UserError("--sparsity-file holds thresholds for --sparsity S: pass --sparsity too")
+        return self
+
+    def options(self) -> dict:
+        """The keyword arguments of load_engine and ref.load_model these flags set."""
+        return dict(sparsity=self.sparsity, sparsity_method=self.sparsity_method, sparsity_file=self.sparsity_file)
+
+    def about(self) -> str:
+        """The run's description of it ('' where off)."""
+        return f"; activation sparsity {self.sparsity:g} ({self.sparsity_method})" if self.sparsity else ""
+
+
+ACTIVATION_SPARSITY_FLAGS = [
     click.option("--sparsity", type=float, default=None,
                  help="Training-free activation sparsity: thin every linear layer's input to this model-wide share, "
                       "by thresholds calibrated for the model (scripts/calibrate_sparsity.py) [default: off]."),
@@ -184,29 +221,7 @@ ACTIVATION_SPARSITY_FLAGS = [  # activation sparsity (ref.activation_sparsity), 
     click.option("--sparsity-file", type=click.Path(path_type=Path), default=None,
                  help="Thresholds file [default: MODEL_DIR/sparsity.safetensors]."),
 ]
-
-
-def activation_sparsity_options(f):
-    """ACTIVATION_SPARSITY_FLAGS on a command that takes them as the arguments sparsity, sparsity_method,
-    sparsity_file."""
-    for option in reversed(ACTIVATION_SPARSITY_FLAGS):
-        f = option(f)
-    return f
-
-
-SPARSITY_FLAGS = [
-    click.option("--dense", is_flag=True, help="Run the dense FFN (no predictors)."),
-    click.option("--predictors", type=click.Path(path_type=Path), default=None,
-                 help="Predictors file [default: MODEL_DIR/predictors.safetensors, else the checkpoint's own]."),
-    click.option("--predictor-threshold", type=float, default=None, help="Override the predictors' stored threshold."),
-    click.option("--predictor-type", type=FORMAT_CHOICE, default=None,
-                 help="Format to run the predictors in [default: a checkpoint's own as stored; a file's in the "
-                      "weights' format, q8_0 beside f16 and bf16]."),
-    *ACTIVATION_SPARSITY_FLAGS,
-]
-
-
-sparsity_options = flag_group(Sparsity, SPARSITY_FLAGS, "ffn")  # the FFN's flags, the same in both CLIs
+activation_sparsity_options = flag_group(ACTIVATION_SPARSITY_FLAGS, ActivationSparsityFlags, "act")
 
 
 def generate_session(engine, tok, gen: Generation, load_seconds: float, about: str = "") -> tuple[list[int], Timings]:

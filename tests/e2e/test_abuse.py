@@ -240,7 +240,7 @@ def test_bad_limit_flags_are_one_line(args, message):
 def test_a_slow_head_is_cut_off(server):
     """A client sending its request headers a byte at a time (slowloris) is disconnected once HEAD_SECONDS have
     passed without a whole head; uvicorn alone kept such a connection for ever."""
-    from fast.guard import HEAD_SECONDS
+    from fast.server.guard import HEAD_SECONDS
     with socket.create_connection(("127.0.0.1", server.port), timeout=HEAD_SECONDS + 10) as s:
         t0 = time.time()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -338,7 +338,7 @@ def test_a_templates_loops_end_in_a_400_while_the_server_answers(tmp_path):
 
 def test_a_failed_load_names_its_reason():
     """numba's NotImplementedError has no text: the line names the exception's type (it said 'failed: ' alone)."""
-    from fast.serve import load_failure
+    from fast.server.app import load_failure
     from ref.common.errors import UserError
     assert str(load_failure(NotImplementedError())) == "loading the model failed: NotImplementedError"
     assert str(load_failure(ValueError("bad shape"))) == "loading the model failed: ValueError: bad shape"

@@ -1,4 +1,4 @@
-"""fast.replicas: two CPU replicas of fast.serve behind Ray Serve on this machine (skipped where Ray Serve is not
+"""fast.server.replicas: two CPU replicas of fast.serve behind Ray Serve on this machine (skipped where Ray Serve is not
 installed: the `replicas` extra)."""
 
 import concurrent.futures
@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from fast.replicas import application  # noqa: E402
+from fast.server.replicas import application  # noqa: E402
 from tests.e2e.server import free_port  # noqa: E402
 from tests.helpers import SHIPPED  # noqa: E402
 

@@ -251,11 +251,11 @@ def test_default_threads_are_counted_before_the_server_starts(monkeypatch):
     during their start-up, a core looked busy and a 2-core machine got 1 thread."""
     import threading
 
-    import fast.engine
-    from fast.serve import serving
+    import fast.server.app
+    from fast.server.app import serving
     from tests.helpers import SHIPPED
     where = []
-    monkeypatch.setattr(fast.engine, "free_cores", lambda *a, **k: where.append(threading.current_thread()) or 1)
+    monkeypatch.setattr(fast.server.app, "free_cores", lambda *a, **k: where.append(threading.current_thread()) or 1)
     server, _ = serving(SHIPPED, 1, 0, 512, 4, None, None)
     try:
         assert server.scheduler.ready.wait(120), server.scheduler.failed

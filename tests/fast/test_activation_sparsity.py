@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from fast.load import load_engine
-from ref.activation_sparsity import DEFAULT_FILE, apply_sparsity, sparsity_to_run
+from fast.layers import Bundles
+from ref.activation_sparsity import DEFAULT_FILE, apply_activation_sparsity, sparsity_to_run
 from ref.common.batch import Batch
 from ref.quant import quantize_model
 from ref.sparse import load_model
@@ -23,7 +24,7 @@ def ref_logits(method, fmt, sparsity=0.5, predictors=None, path=SHIPPED):
     if fmt != "f16":
         model = quantize_model(model, fmt)
     ffn = predictors is None
-    apply_sparsity(model, method, sparsity_to_run(model.weights, path, sparsity, method, ffn=ffn), ffn=ffn)
+    apply_activation_sparsity(model, method, sparsity_to_run(model.weights, path, sparsity, method, ffn=ffn), ffn=ffn)
     return model.logits(IDS)
 
 
@@ -65,7 +66,7 @@ def test_swiglu_twin_is_refs_model(method, fmt):
 def test_beside_predictors_only_attention_is_thinned():
     want = ref_logits("wina", "f16", predictors=PREDICTORS)
     engine = load_engine(SHIPPED, predictors=PREDICTORS, threads=2, sparsity=0.5, sparsity_method="wina")
-    assert engine.selector.predicts and engine.layers[0].gate_up_t is None
+    assert engine.selector.predicts and isinstance(engine.layers[0].ffn, Bundles)
     assert_same_model(decode(engine, IDS), want, "beside predictors")
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fast.blas
-import fast.engine
+import fast.layers
 import ref
 import ref.common.batch
 from fast import Engine
@@ -28,12 +28,12 @@ SCHEDULE = [[(0, 5), (1, 2)], [(0, 1), (2, 4), (1, 1)], [(1, 1), (2, 2), (0, 2)]
 def step_kernels(request, monkeypatch):
     """Every test twice: steps of two or more tokens on fast.cpu's kernels, then on fast.blas's GEMMs (the
     prompt-chunk kernels, which otherwise start at blas.MIN_TOKENS and MIN_WORK, blas.GEMM_TOKENS for a float
-    product, and for a sparse FFN only where the chunk computes engine.GEMM_SHARE of its union)."""
+    product, and for a sparse FFN only where the chunk computes fast.layers.GEMM_SHARE of its union)."""
     gemm = request.param == "blas"
     monkeypatch.setattr(fast.blas, "MIN_TOKENS", 2 if gemm else 10**9)
     monkeypatch.setattr(fast.blas, "MIN_WORK", 0 if gemm else 10**9)
     monkeypatch.setattr(fast.blas, "GEMM_TOKENS", 2 if gemm else 10**9)
-    monkeypatch.setattr(fast.engine, "GEMM_SHARE", 0.0 if gemm else 2.0)
+    monkeypatch.setattr(fast.layers, "GEMM_SHARE", 0.0 if gemm else 2.0)
 
 
 def engines(d):
@@ -72,7 +72,7 @@ def test_batched_equals_each_sequence_alone(small, name):
 
 def test_prompts_crossing_the_ffn_chunk(small, monkeypatch):
     """Runs of 5 and 4 tokens with 3-token FFN chunks: chunks span two sequences."""
-    monkeypatch.setattr(fast.engine, "FFN_CHUNK", 3)
+    monkeypatch.setattr(fast.layers, "FFN_CHUNK", 3)
     got, done = run_schedule(sparse_engine(small), [[(0, 5), (2, 4)], [(2, 1), (0, 1)]])
     oracle = sparse_model(small)
     for s in (0, 2):

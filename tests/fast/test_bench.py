@@ -27,7 +27,9 @@ def test_bench_table_and_json(tmp_path, fmt, ptype, sparse_reads_less):
     assert "| numba-cpu dense | 1 | tg2 |" in r.output and "sparse/dense:" in r.output
 
 
-@pytest.mark.parametrize("args, message", [(["--sparsity", "1"], "--sparsity must be in"), (["--runs", "0"], "--runs")])
+@pytest.mark.parametrize("args, message", [(["--predicted-sparsity", "1"], "--predicted-sparsity must be in"),
+                                           (["--sparsity", "0.9"], "here is --predicted-sparsity"),
+                                           (["--runs", "0"], "--runs")])
 def test_bench_bad_options(args, message):
     r = CliRunner().invoke(load_script("bench").main, ["--shape", "micro", *args])
     assert r.exit_code == 2 and message in r.output

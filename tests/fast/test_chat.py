@@ -5,7 +5,7 @@ import json
 import pytest
 
 pytest.importorskip("jinja2")
-from fast.chat import MAX_TEXT, ChatTemplate, TemplateError, model_template  # noqa: E402
+from fast.server.chat import MAX_TEXT, ChatTemplate, TemplateError, model_template  # noqa: E402
 from ref.common.errors import UserError  # noqa: E402
 from ref.common.tokenizer import load_tokenizer  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
@@ -42,7 +42,7 @@ def test_a_templates_loops_end_within_its_budget(monkeypatch):
     slower template; a render within the budget is untouched, and the caller's trace function is given back."""
     import sys
     import time
-    from fast import chat
+    from fast.server import chat
     with pytest.raises(TemplateError, match="ran over 10,000,000 lines"):
         ChatTemplate(LOOPS).render(HI)
     monkeypatch.setattr(chat, "MAX_SECONDS", 0.2)

@@ -6,7 +6,7 @@ generation loop and the server's scheduler follow it."""
 import numpy as np
 import pytest
 
-from fast.scheduler import Params, Request, Scheduler
+from fast.server.scheduler import Params, Request, Scheduler
 from ref.common.batch import Batch, KVCache
 from ref.common.errors import UserError
 from ref.common.sampling import generate

@@ -6,6 +6,7 @@ import ref
 from fast import Engine, apply_predictors
 from fast import blas
 from fast.engine import convert, dense_ffn
+from fast.layers import Bundles, Dense
 from fast.quant import INTERLEAVED, layout_of, plain
 from ref.common.batch import Batch
 from ref.common.errors import UserError
@@ -44,7 +45,7 @@ def test_shipped_sparse_logits_match_ref(shipped_tokenizer):
 def test_ref_and_fast_facades_agree_by_default(shipped_tokenizer):
     """ref.load_model and fast.load_engine with the CLIs' default predictors (the shipped ones, which both store in
     q8_0 beside the f16 weights): the same logits, not those of two different models."""
-    pred = default_predictors(SHIPPED, None, False)
+    pred = default_predictors(SHIPPED)
     e, m = fast.load_engine(SHIPPED, predictors=pred, threads=2), ref.load_model(SHIPPED, pred)
     assert layout_of(e.selector.fc1[0]).format.name == "q8_0" and isinstance(m.selector.fc1[0], Quantized)
     ids = shipped_tokenizer.encode(PROMPTS[0])
@@ -162,7 +163,7 @@ def test_checkpoints_run_in_their_stored_format(tmp_path, dtype, fmt):
     """No float32 copy: the layout keeps the checkpoint's format, and computes what ref computes from it."""
     d = write_model(tmp_path, dtype=dtype)
     e = Engine.load(d)
-    assert e.format.name == fmt and e.layers[0].bundle.dtype == FORMATS[fmt].dtype
+    assert e.format.name == fmt and e.layers[0].ffn.bundle.dtype == FORMATS[fmt].dtype
     ids = np.array([1, 4, 9, 16, 25])
     assert_close(e.logits(ids), ref.load_model(d).logits(ids), rtol=1e-4)
 
@@ -172,8 +173,8 @@ def test_convert_is_ref_at_that_format(small, fmt):
     """--type: the engine's matrices in another format mean what ref.quant says they mean."""
     ids = np.array([2, 3, 5, 7, 11, 13])
     e = convert(Engine.load(small), FORMATS[fmt])
-    assert e.format.name == fmt and plain(e.layers[1].wqkv).dtype == FORMATS[fmt].dtype
-    assert (e.layers[1].wqkv.dtype == INTERLEAVED.get(fmt)) == (fmt in INTERLEAVED)  # rows grouped for matmul
+    assert e.format.name == fmt and plain(e.layers[1].attn.wqkv).dtype == FORMATS[fmt].dtype
+    assert (e.layers[1].attn.wqkv.dtype == INTERLEAVED.get(fmt)) == (fmt in INTERLEAVED)  # rows grouped for matmul
     assert_close(e.logits(ids), quantize_model(ref.load_model(small), fmt).logits(ids), rtol=1e-4)
 
 
@@ -249,8 +250,8 @@ def test_dense_layout_is_ref_and_bundles_again(small, fmt, monkeypatch):
     again, exactly as they were."""
     want = quantize_model(ref.load_model(small), fmt)
     e = dense_ffn(convert(Engine.load(small), FORMATS[fmt]))
-    L = e.layers[0]
-    assert L.gate_up.dtype == INTERLEAVED[fmt] and L.bundle.shape[1:] == (1, e.config.d_model // 32)
+    f = e.layers[0].ffn
+    assert isinstance(f, Dense) and f.gate_up.dtype == INTERLEAVED[fmt] and f.down.shape[1:] == (e.config.d_model // 32,)
     ids = np.array([2, 3, 5, 7, 11, 13])
     assert_close(e.logits(ids[:1]), want.logits(ids[:1]), rtol=1e-4)
     assert_close(e.logits(ids), want.logits(ids), rtol=1e-4)
@@ -260,13 +261,13 @@ def test_dense_layout_is_ref_and_bundles_again(small, fmt, monkeypatch):
         assert_close(e.logits(ids), want.logits(ids), rtol=1e-4)
     sparse = apply_predictors(e, small / "predictors.safetensors")
     bundles = convert(Engine.load(small), FORMATS[fmt])
-    assert sparse.layers[0].gate_up is None
-    np.testing.assert_array_equal(sparse.layers[0].bundle, bundles.layers[0].bundle)
+    assert isinstance(sparse.layers[0].ffn, Bundles)
+    np.testing.assert_array_equal(sparse.layers[0].ffn.bundle, bundles.layers[0].ffn.bundle)
     np.testing.assert_array_equal(sparse.logits(ids), apply_predictors(bundles, small / "predictors.safetensors").logits(ids))
 
 
 def test_load_engine_lays_a_dense_run_out_densely(tmp_path):
     """fast.run without predictors (--dense, or none beside the model) runs the dense layout where it has one."""
     d = write_model(tmp_path, {"intermediate_size": 64})
-    assert fast.load_engine(d, type_="q4_0").layers[0].gate_up is not None
-    assert fast.load_engine(d).layers[0].gate_up is None  # float formats keep their bundles
+    assert isinstance(fast.load_engine(d, type_="q4_0").layers[0].ffn, Dense)
+    assert isinstance(fast.load_engine(d).layers[0].ffn, Bundles)  # float formats keep their bundles

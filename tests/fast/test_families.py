@@ -145,8 +145,8 @@ def test_a_checkpoint_s_own_predictors_run_by_default(tmp_path):
     from ref.sparse import EMBEDDED, default_predictors
     from ref.common.checkpoint import load_checkpoint
     d = turbosparse(tmp_path)
-    assert default_predictors(d, None, False) == EMBEDDED and default_predictors(d, None, True) is None
-    engine = load_engine(d, predictors=default_predictors(d, None, False), threads=1)
+    assert default_predictors(d) == EMBEDDED and default_predictors(d, dense=True) is None
+    engine = load_engine(d, predictors=default_predictors(d), threads=1)
     want = ref.apply_predictors(ref.load_model(d), load_checkpoint(d).predictors).logits([1, 5, 9, 3])
     assert engine.selector.predicts and engine.selector.threshold == 0
     assert_close(engine.logits([1, 5, 9, 3]), want, rtol=1e-4)

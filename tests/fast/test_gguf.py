@@ -15,6 +15,7 @@ import pytest
 import ref
 from fast import Engine, apply_predictors
 from fast.load import load_engine
+from fast.layers import Bundles, StoredDown
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
 from ref.common.errors import UserError
@@ -418,7 +419,7 @@ def test_a_quantized_llama_cpp_file_runs_as_stored(tmp_path, fmt):
     r = convert(d, "-o", tmp_path / "m.gguf", "--type", fmt, "--dense")
     assert r.returncode == 0, r.stderr
     e, m = Engine.load(tmp_path / "m.gguf"), ref.load_model(tmp_path / "m.gguf")
-    assert e.layers[0].down is not None and e.layers[0].bundle.shape[1] == 0
+    assert isinstance(e.layers[0].ffn, StoredDown)
     ids = IDS[:8]
     want = m.logits(ids)
     assert_close(e.logits(ids), want, rtol=1e-4)
@@ -427,7 +428,7 @@ def test_a_quantized_llama_cpp_file_runs_as_stored(tmp_path, fmt):
     assert_close(steps, want, rtol=1e-4)
     pred = synthetic_predictors(e.config, 8, seed=1)
     sparse = apply_predictors(e, pred)
-    assert sparse.layers[0].down is None and sparse.layers[0].bundle.shape[1] == 3
+    assert isinstance(sparse.layers[0].ffn, Bundles) and sparse.layers[0].ffn.bundle.shape[1] == 3
     for l in range(m.config.n_layers):  # ref's model of the re-lay: each down matrix's values quantized along D
         wd = m.weights.tensors[f"layers.{l}.wd"]
         m.weights.tensors[f"layers.{l}.wd"] = Transposed(quantize(upcast(wd).T, fmt))

@@ -7,7 +7,7 @@ import fast
 import ref
 from fast import Engine, apply_predictors
 from fast import gpu
-from fast.hybrid import to_hybrid
+from fast.hybrid import GpuThinnedFFN, to_hybrid
 from placement.budget import whole_layers
 from ref.common.artifacts import Predictors
 from ref.common.batch import Batch
@@ -144,7 +144,7 @@ def test_layer_policy_matches_ref(tiny):
     base = cpu_engine(d)
     L0 = base.layers[0]
     kv = 2 * cfg.max_seq_len * cfg.n_kv_heads * cfg.head_dim * 4
-    one_layer = L0.attn_norm.nbytes + L0.wqkv.nbytes + L0.wo.nbytes + L0.ffn_norm.nbytes + L0.bundle.nbytes + kv
+    one_layer = L0.attn_norm.nbytes + L0.attn.nbytes() + L0.ffn_norm.nbytes + int(L0.ffn.nbytes()) + kv
     e = to_hybrid(base, *whole_layers(cfg, base.format, cfg.max_seq_len, one_layer + 10))
     assert e.n_gpu_layers == 1
     assert_close(e.logits(IDS), want, rtol=1e-4)
@@ -189,7 +189,7 @@ def test_hybrid_in_a_weight_format(tmp_path, fmt):
     engine = fast.load_engine(d, type_=fmt)
     neurons = [np.sort(np.random.default_rng(l).choice(32, 12, replace=False)).astype(np.int32) for l in range(2)]
     hybrid = to_hybrid(engine, neurons, dense_on_gpu=["attention.0", "predictor.1", "output"])
-    assert hybrid.format.name == fmt and hybrid.gpu_layers[0].bundle.kind == gpu.KINDS[fmt]
+    assert hybrid.format.name == fmt and hybrid.gpu_layers[0].ffn.bundle.kind == gpu.KINDS[fmt]
     want = ref.quant.quantize_model(ref.load_model(d), fmt).logits(IDS)
     assert_close(hybrid.logits(IDS), want, rtol=1e-4)
 
@@ -199,14 +199,14 @@ CUT = np.array([[0.3, 0.05, 0.3, 0.05]] * 2)  # thresholds [L, 4] keeping about 
 
 def thinned(d, method, fmt=None, predictors=False):
     """The CPU engine with activation sparsity, and ref's logits with the same thresholds."""
-    from fast.engine import apply_sparsity
-    from ref.activation_sparsity import apply_sparsity as ref_apply_sparsity
+    from fast.engine import apply_activation_sparsity
+    from ref.activation_sparsity import apply_activation_sparsity as ref_apply_activation_sparsity
     model = ref.load_model(d, predictors=d / "predictors.safetensors" if predictors else None)
     model = ref.quant.quantize_model(model, fmt) if fmt else model
     engine = fast.load_engine(d, type_=fmt) if fmt else Engine.load(d)
     engine = cpu_engine(d) if predictors else engine
-    want = ref_apply_sparsity(model, method, CUT, ffn=not predictors).logits(IDS)
-    return apply_sparsity(engine, method, CUT, ffn=not predictors), want
+    want = ref_apply_activation_sparsity(model, method, CUT, ffn=not predictors).logits(IDS)
+    return apply_activation_sparsity(engine, method, CUT, ffn=not predictors), want
 
 
 @pytest.mark.parametrize("method, split, dense, predictors", [
@@ -239,13 +239,13 @@ def test_activation_sparsity_on_the_gpu_in_a_weight_format(tmp_path, fmt, method
     d = write_model(tmp_path, {**TINY, "hidden_size": 64, "intermediate_size": 32}, seed=4)  # k, v: 32 columns
     engine, want = thinned(d, method, fmt)
     hybrid = to_hybrid(engine, [np.arange(32, dtype=np.int32)] * 2)
-    assert hybrid.gpu_layers[0].attention[2].kind == gpu.KINDS[fmt]
+    assert hybrid.gpu_layers[0].attention.wqkv.kind == gpu.KINDS[fmt]
     assert_close(hybrid.logits(IDS), want, rtol=1e-4)
 
 
 def test_device_gpu_runs_a_calibrated_sparsity(tiny, tmp_path):
     """fast.load_engine(--device gpu --sparsity S): thresholds from the file, every layer on the card."""
-    from ref.activation_sparsity import LEVELS, Thresholds, apply_sparsity, sparsity_to_run
+    from ref.activation_sparsity import LEVELS, Thresholds, apply_activation_sparsity, sparsity_to_run
     from ref.common.artifacts import model_fingerprint
     d, cfg, _ = tiny
     table = np.broadcast_to(LEVELS, (2, 4, len(LEVELS))).astype(np.float32)  # threshold = level
@@ -254,6 +254,6 @@ def test_device_gpu_runs_a_calibrated_sparsity(tiny, tmp_path):
                {"model": model_fingerprint(weights)}).save(tmp_path / "s.safetensors")
     e = fast.load_engine(d, device="gpu", vram_budget=0.5, sparsity=0.4, sparsity_method="wina",
                          sparsity_file=tmp_path / "s.safetensors")
-    assert e.n_gpu_layers == 2 and all(G.gate_up_t is not None for G in e.gpu_layers)
+    assert e.n_gpu_layers == 2 and all(isinstance(G.ffn, GpuThinnedFFN) for G in e.gpu_layers)
     cut = sparsity_to_run(weights, d, 0.4, "wina", tmp_path / "s.safetensors")
-    assert_close(e.logits(IDS), apply_sparsity(ref.load_model(d), "wina", cut).logits(IDS), rtol=1e-4)
+    assert_close(e.logits(IDS), apply_activation_sparsity(ref.load_model(d), "wina", cut).logits(IDS), rtol=1e-4)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ref.common.prefix
-from fast.scheduler import Params, Request, Scheduler, cache_budget
+from fast.server.scheduler import Params, Request, Scheduler, cache_budget
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.prefix import PrefixCache

@@ -1,11 +1,11 @@
-"""The server's per-token pieces against their plain definitions: fast.sampling's batched sampler against
+"""The server's per-token pieces against their plain definitions: fast.server.sampling's batched sampler against
 ref.common.sampling.sample, and TextStream's incremental text against decoding every id."""
 
 import numpy as np
 import pytest
 
-from fast.sampling import sample
-from fast.scheduler import Params, Request, Scheduler, TextStream
+from fast.server.sampling import sample
+from fast.server.scheduler import Params, Request, Scheduler, TextStream
 from ref.common.sampling import penalties, processed, sample as ref_sample
 from ref.common.tokenizer import load_tokenizer
 from tests.helpers import FAMILIES, SHIPPED, Ban, serve_requests, write_gguf
@@ -202,13 +202,13 @@ def test_a_seeded_request_gives_the_same_text_alone_beside_others_and_again(kv, 
     `gemm` the engine would run a chunk of two tokens or more in fast.blas's GEMMs (as a wide model's prompt); the
     server turns that off."""
     import fast.blas
-    import fast.engine
+    import fast.layers
     from fast.load import load_engine
     if gemm:
         monkeypatch.setattr(fast.blas, "MIN_TOKENS", 2)
         monkeypatch.setattr(fast.blas, "MIN_WORK", 0)
         monkeypatch.setattr(fast.blas, "GEMM_TOKENS", 2)
-        monkeypatch.setattr(fast.engine, "GEMM_SHARE", 0.0)
+        monkeypatch.setattr(fast.layers, "GEMM_SHARE", 0.0)
     tok = load_tokenizer(SHIPPED)
     engine = load_engine(SHIPPED, threads=2, predictors=SHIPPED / "predictors.safetensors" if sparse else None,
                          cache_types=(kv, kv))

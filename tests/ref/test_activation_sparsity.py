@@ -102,7 +102,7 @@ def test_quantized_matrices_are_stored_transposed_when_thinned():
     engine lays it; quantize_model's down matrix is transposed already."""
     model = quantize_model(Model.load(SHIPPED), "q4_0")
     assert isinstance(model.weights["layers.0.wq"], Quantized)
-    A.apply_sparsity(model, "teal", np.zeros((6, 4), np.float32))
+    A.apply_activation_sparsity(model, "teal", np.zeros((6, 4), np.float32))
     wq = model.weights["layers.0.wq"]
     assert isinstance(wq, Transposed) and isinstance(wq.T, Quantized) and wq.T.shape == (256, 256)
     assert isinstance(model.weights["layers.0.wd"], Transposed)

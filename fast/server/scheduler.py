@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fast.load import memory_available
-from fast.sampling import sample as fast_sample
+from fast.server.sampling import sample as fast_sample
 from ref.common.batch import Batch
 from ref.common.errors import UserError
 from ref.common.prefix import PrefixCache
@@ -412,13 +412,13 @@ class Scheduler:
     @staticmethod
     def sample(reqs: list[Request], logits: np.ndarray) -> np.ndarray:
         """Each request's next token [B] from its row of logits [B, V], with its own penalties, settings and seed:
-        ref's sampler, for all rows in one call (fast.sampling)."""
+        ref's sampler, for all rows in one call (fast.server.sampling)."""
         out = np.empty(len(reqs), np.int64)
         if not reqs:  # a step of prompt chunks only
             return out
         ps = [r.params for r in reqs]
         rows = [i for i, r in enumerate(reqs) if r.processors]
-        z = logits.astype(np.float64) if rows else logits  # [B, V]: float32 samples alike (fast.sampling.sample)
+        z = logits.astype(np.float64) if rows else logits  # [B, V]: float32 samples alike (fast.server.sampling.sample)
         for i in rows:
             z[i] = processed(reqs[i].processors, z[i], reqs[i].prompt, reqs[i].out)
         u = np.array([r.rng.random() if p.temperature > 0 else 0.0 for r, p in zip(reqs, ps)])  # [B] each one draw

@@ -4,7 +4,7 @@ field at fault: `ApiError`), and the response and stream-chunk objects (`Shape`,
 import json
 import math
 
-from fast.scheduler import Params
+from fast.server.scheduler import Params
 from ref.common.sampling import REPEAT_LAST_N
 
 MAX_LOGPROBS = 20

@@ -1,4 +1,4 @@
-"""`python -m fast.replicas [MODEL] -r N`: N whole replicas of `fast.serve` behind Ray Serve's router (the `replicas`
+"""`python -m fast.server.replicas [MODEL] -r N`: N whole replicas of `fast.serve` behind Ray Serve's router (the `replicas`
 extra), on one machine or a Ray cluster.
 
 PowerInfer's speed comes from locality inside one box (hot neurons on its GPU, cold ones in the same host's memory),
@@ -25,11 +25,11 @@ def build_app(path: str, slots: int, ctx_size: int, batch_size: int, max_queue: 
               device: str, dense: bool, alias: str | None, api_key: str | None, host: str = "127.0.0.1"):
     """fast.serve's application over a scheduler that loads the model on its engine thread (run on the replica)."""
     from ref.sparse import default_predictors
-    from fast.serve import serving
+    from fast.server.app import serving
 
     model = Path(path)
     server, app = serving(model, slots, ctx_size, batch_size, max_queue, alias, api_key, host, device=device,
-                          predictors=default_predictors(model, None, dense), threads=threads)
+                          predictors=default_predictors(model, dense=dense), threads=threads)
     scheduler = _replica["scheduler"] = server.scheduler
     # Ray's router sends requests to a replica once it is built, without asking /health: build it loaded.
     while not scheduler.ready.wait(0.1):
@@ -88,7 +88,7 @@ def main(model_dir, model, replicas, host, port, slots, ctx_size, threads, devic
         import ray
         from ray import serve
     except ImportError:
-        raise UserError("fast.replicas needs Ray Serve: pip install -e '.[replicas]'") from None
+        raise UserError("fast.server.replicas needs Ray Serve: pip install -e '.[replicas]'") from None
     if replicas < 1:
         raise UserError(f"-r/--replicas must be >= 1, got {replicas}")
     path = resolve_model(model_dir, model).resolve()
