@@ -170,15 +170,19 @@ class Decoder:
         """ref.model.shift_context on this engine's cache (a rare step: numpy's rope, as ref's, on float32 keys)."""
         shift_context(self.config, cache, seq, keep, discard)
 
-    def warm_up(self, notice=None) -> None:
-        """Compile (or load the cached) kernels of a short prompt and of a decode step, timed as `compile_seconds`
-        (llama.cpp warms up too): the first prompt otherwise paid for loading its kernels, 50 ms of the shipped
-        model's 5-token prompt against 1 ms after. notice(self), if given, is called once if a kernel must compile."""
+    def warm_up(self, notice=None, sequences: int = 1) -> None:
+        """Compile (or load the cached) kernels of a short prompt and of a decode step, and with `sequences` > 1 of a
+        step decoding two sequences together (the server's), timed as `compile_seconds` (llama.cpp warms up too): the
+        first prompt otherwise paid for loading its kernels, 50 ms of the shipped model's 5-token prompt against 1 ms
+        after. notice(self), if given, is called once if a kernel must compile."""
         t0 = time.perf_counter()
         with first_compile(lambda: notice and notice(self)):
-            cache = self.new_cache(3)
+            cache = self.new_cache(4, slots=2)
             self.forward(Batch.single([0, 0], cache), cache)
             self.forward(Batch.single([0], cache), cache)
+            if sequences > 1:
+                self.forward(Batch.single([0], cache, seq=1), cache)
+                self.forward(Batch.of([(0, [0]), (1, [0])], cache), cache)
         self.compile_seconds = time.perf_counter() - t0
 
 
@@ -376,8 +380,9 @@ class Engine(Decoder):
         head = self.project_out is None and (batch.logits is None or len(batch.output_rows()) == T)
         logits = np.empty((T, n_rows(self.lm_head)) if head else (0, 0), F32)
         rows, model = self.step_rows(layers, cache)
-        cpu.decode_step(logits, h, rows, batch.seqs, batch.positions,
-                        cpu.StepSets(threshold=sel.threshold, given=given, bounds=bounds, picks=picks), model)
+        step = cpu.decode_step if T == 1 else cpu.decode_steps
+        step(logits, h, rows, batch.seqs, batch.positions,
+             cpu.StepSets(threshold=sel.threshold, given=given, bounds=bounds, picks=picks), model)
         return logits if head else None
 
     def step_rows(self, layers: list, cache: KVCache) -> tuple[List, tuple]:

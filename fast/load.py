@@ -43,14 +43,15 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
                 threads: int | None = None, predictor_threshold: float | None = None, policy: str = "hybrid",
                 type_: str | None = None, predictor_type: str | None = None, notice=None, sparsity: float | None = None,
                 sparsity_method: str = "teal", sparsity_file: Path | None = None,
-                cache_types: tuple = (KV_DEFAULT, KV_DEFAULT)) -> Decoder:
+                cache_types: tuple = (KV_DEFAULT, KV_DEFAULT), sequences: int = 1) -> Decoder:
     """The engine fast.run runs: weights as stored or in the format `type_` names, dense, or predictor-sparse with
     `predictors` (a file, loaded Predictors, or EMBEDDED; stored as ref.sparse.predictors_to_run says), with
     activation sparsity where `sparsity` asks (the model's calibration: ref.activation_sparsity); on `gpu`/`hybrid`,
     placed on the card (a placement file, or one solved for `vram_budget` GiB from MODEL_DIR/activations.safetensors);
     its caches store keys and values in `cache_types` (-ctk, -ctv). Refuses what does not fit in memory before
-    laying anything out. Compiles (or loads the cached) kernels with one
-    warm-up token, timed as `compile_seconds`, calling notice(engine) first where they must compile."""
+    laying anything out. Compiles (or loads the cached) kernels with one warm-up token (and a step of two where
+    `sequences` will decode together), timed as `compile_seconds`, calling notice(engine) first where they must
+    compile."""
     if device not in DEVICES:
         raise UserError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
     if policy not in POLICIES:
@@ -77,7 +78,7 @@ def load_engine(path, device: str = "cpu", predictors=None, placement=None, vram
     elif run is None and cut is None:
         dense_ffn(engine)
     engine.kv_types = tuple(f.name for f in kv)
-    engine.warm_up(notice)
+    engine.warm_up(notice, sequences)
     return engine
 
 

@@ -122,9 +122,11 @@ def quantize(x: np.ndarray, fmt: str | Format, name: str = "tensor", flag: str =
 
 
 def input_values(x: np.ndarray, t) -> np.ndarray:
-    """What a product with the stored weight t reads of its input x [..., n]: x itself for a float format; for q8_0
-    and q4_0, x rounded to Q8_0 blocks along its rows (llama.cpp's vec_dot_type for both), in x's dtype."""
-    return quantize(x, "q8_0").astype(x.dtype) if isinstance(t, Quantized) else x
+    """What a product with the stored weight t reads of its input x [..., n]: x rounded to the blocks of its format's
+    input format along its rows (Format.vec_dot, llama.cpp's vec_dot_type: Q8_0 for q8_0 and q4_0), in x's dtype; x
+    itself for a float format and for a stored transpose (applied as a sum of scaled rows)."""
+    vec_dot = None if isinstance(t, Transposed) else tensor_format(t).vec_dot
+    return x if vec_dot is None else quantize(x, vec_dot).astype(x.dtype)
 
 
 BLOCK_FORMATS = {f.dtype: f for f in FORMATS.values()}  # what rows of blocks (`blocks`) are stored in

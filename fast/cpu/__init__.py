@@ -39,13 +39,13 @@ from fast.cpu.ffn import (TILE_SHARE, activations, dense_down, dense_ffn_block, 
                           round_q8_0, sparse_ffn, sparse_ffn_batch, sparse_ffn_batch_chunk, sparse_ffn_chunk,
                           union_mask)
 from fast.cpu.matmul import MATMUL_CHUNKS, matmul  # noqa: E402
-from fast.cpu.step import StepLayer, StepModel, StepSets, decode_step  # noqa: E402
+from fast.cpu.step import StepLayer, StepModel, StepSets, decode_step, decode_steps  # noqa: E402
 from fast.cpu.thin import add_rows, kept_py, sparse_rows, sparse_rows_chunk, thin, thin_activations  # noqa: E402
 
 __all__ = ["BLOCK", "BLOCKS", "CATS", "FASTMATH", "KINDS", "MATMUL_CHUNKS", "TILE_SHARE", "StepLayer", "StepModel",
            "StepSets", "activation", "activation_py", "activations", "add_bias", "add_rows", "attend", "attention",
-           "attention_block", "causal_logits", "chunk_bounds", "copy_rows", "decode_attention", "decode_attention_block", "decode_step",
-           "dense_down", "dense_ffn_block", "embed", "exp_le0", "ffn_batch_block", "ffn_block", "ffn_neurons",
+           "attention_block", "causal_logits", "chunk_bounds", "copy_rows", "decode_attention", "decode_attention_block",
+           "decode_step", "decode_steps", "dense_down", "dense_ffn_block", "embed", "exp_le0", "ffn_batch_block", "ffn_block", "ffn_neurons",
            "gather_values", "kept_py", "layernorm", "masked_activation", "matmul", "merge_items", "norm",
            "normalize_rows", "predicted_set", "predictor", "prefetch", "prefetch_row", "prefetch_rows", "qk_norm",
            "qkv_proj", "read_bandwidth_probe", "relu_", "rmsnorm", "rope", "round_q8_0", "self_attention", "SPLIT",

@@ -217,13 +217,15 @@ def item(items, n, K, i):
     return t, (i - items[t]) // ns, j * SPLIT, min(n[t], (j + 1) * SPLIT)
 
 
-@njit(parallel=True, fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
+@njit(fastmath=EXACT_MATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def merge_items(out, acc, ml, items, n):
-    """out[t, h] = query t's head h from its work items' partials (merge).  out: [T, H, E]."""
+    """out[t, h] = query t's head h from its work items' partials (merge).  out: [T, H, E]. One thread: a merge
+    reads G E numbers per item where attend read a SPLIT of positions, less than a parallel launch costs (22 of them
+    were a quarter of a decode step's dispatch time)."""
     T, H = out.shape[0], out.shape[1]
     G = acc.shape[1]
     K = H // G
-    for tk in prange(T * K):
+    for tk in range(T * K):
         t, kv = tk // K, tk % K
         ns = n_splits(n[t])
         merge(out[t, kv * G:(kv + 1) * G], acc, ml, items[t] + kv * ns, ns)
@@ -239,7 +241,9 @@ def attention(out, q, k, v, pos0):
     T, H, E = q.shape
     K, S = k.shape[0], k.shape[1]
     G = H // K
-    n = np.minimum(S, pos0 + np.arange(T) + 1)  # [T] positions each query sees
+    n = np.empty(T, np.int64)  # [T] positions each query sees (a loop: an array expression here would be one more
+    for t in range(T):  # parallel launch)
+        n[t] = min(S, pos0 + t + 1)
     items = np.empty(T + 1, np.int64)
     split_items(items, n, K)
     acc, ml = np.empty((items[T], G, E), np.float32), np.empty((items[T], G, 2), np.float32)

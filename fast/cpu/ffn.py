@@ -63,9 +63,10 @@ def gated(gates, up, m, a, lo, g, j, bundle, active, bias, span, kind, thr):
     return m
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model=ERROR_MODEL)
 def read_up4(gates, up, m, a, lo, bundle, active, x, xq, xd, xs, kind, thr):
-    """The four oldest of the m >= 4 waiting up rows read at once, their neurons' activations into a. -> m - 4."""
+    """The four oldest of the m >= 4 waiting up rows read at once, their neurons' activations into a. -> m - 4.
+    Compiled once, not inlined at both of chunk_activations' calls: each inlined copy cost a second to compile."""
     u = dot4(bundle[active[up[0]], 1], bundle[active[up[1]], 1], bundle[active[up[2]], 1], bundle[active[up[3]], 1],
              x, xq, xd, xs)
     for k in range(4):  # one inlined activation, not four: each copy costs numba's front end a second to compile

@@ -1,4 +1,5 @@
-"""A decode step of every layer as one compiled call (decode_step), over a typed list of StepLayer."""
+"""A decode step of every layer as one compiled call (decode_step; decode_steps for several sequences), over a typed
+list of StepLayer."""
 
 from collections import namedtuple
 
@@ -33,31 +34,39 @@ PARALLEL = BLOCKS["parallel"]
 
 @njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
 def decode_step(out, h, layers, seqs, positions, sets, model):
-    """One new token of each of T sequences (token t of sequence seqs[t] at positions[t]) through every block, in
-    place on their residual streams h [T, D] (fast.engine's pre_norm_block, post_norm_block or parallel_block by
-    model.block): the attention (attention_block for one token, decode_attention_block for several), then the FFN over
-    each token's set (step_ffn); then, where `out` has rows, the output head: logits out [T, V] = lm_head . norm(h)
-    (Engine.output). layers: a typed list of StepLayer; sets: StepSets; model: StepModel.
+    """One new token of sequence seqs[0] at positions[0] through every block, in place on its residual stream h [1, D]
+    (step_blocks with attention_block), and where `out` has rows the output head: logits out [1, V].
+    layers: a typed list of StepLayer; sets: StepSets; model: StepModel.
 
     One compiled call per step instead of four per layer from Python: once a token's weights have streamed through
     the caches, each return to the interpreter runs from memory (TinyLlama q4_0: 1.2 ms of an 11.2 ms token were
     outside the kernels). One typed list, since numba types a tuple of typed lists slowly (80 us a call against 1 us)
     and unboxes each typed list argument from cold code after a read pass (about 33 us each); the output head runs
-    here where it can, for the same reason."""
-    M = model
-    T, F = h.shape[0], layers[0].bundle.shape[0]  # tokens, the bundle's neurons
+    here where it can, for the same reason. One sequence's step and several sequences' (decode_steps) compile apart:
+    a run that decodes one sequence does not compile the other's attention."""
+    step_blocks(out, h, layers, seqs, positions, sets, model, one_attention)
+
+
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
+def decode_steps(out, h, layers, seqs, positions, sets, model):
+    """decode_step for one new token of each of T sequences (token t of sequence seqs[t] at positions[t]), h [T, D]:
+    step_blocks with decode_attention_block, out [T, V] or no rows."""
+    step_blocks(out, h, layers, seqs, positions, sets, model, batch_attention)
+
+
+@njit(inline="always")
+def step_blocks(out, h, layers, seqs, positions, sets, M, attention):
+    """Every block on the residual streams h [T, D], in place (fast.engine's pre_norm_block, post_norm_block or
+    parallel_block by M.block): `attention` (one_attention or batch_attention), then the FFN over each token's set
+    (step_ffn); then, where `out` has rows, the output head: out = lm_head . norm(h) (Engine.output)."""
+    F = layers[0].bundle.shape[0]  # the bundle's neurons
     a, y = np.empty_like(h), np.empty_like(h)  # [T, D]
     logits, active = np.empty((1, F), np.float32), np.empty(F, np.int32)
     for l in range(len(layers)):
         L = layers[l]
         if M.block == PARALLEL:  # the FFN reads the layer input too
             step_ffn(y, h, l, L, sets, logits, active, M)
-        if T == 1:
-            attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots[seqs[0]],
-                            L.v_slots[seqs[0]], M.cos, M.sin, positions[0], M.eps)
-        else:
-            decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots,
-                                   L.v_slots, seqs, positions, M.cos, M.sin, M.eps)
+        attention(a, h, L, seqs, positions, M)
         h += a
         norm(h, h, L.post_attn_w, L.post_attn_b, M.eps)
         if M.block != PARALLEL:
@@ -68,6 +77,20 @@ def decode_step(out, h, layers, seqs, positions, sets, model):
         x = np.empty_like(h)
         norm(x, h, M.out_w, M.out_b, M.eps)
         matmul(out, x, M.lm_head)
+
+
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
+def one_attention(a, h, L, seqs, positions, M):
+    """a = layer L's attention_block for one sequence's token h [1, D]."""
+    attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots[seqs[0]],
+                    L.v_slots[seqs[0]], M.cos, M.sin, positions[0], M.eps)
+
+
+@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
+def batch_attention(a, h, L, seqs, positions, M):
+    """a = layer L's decode_attention_block for one token of each of T sequences, h [T, D]."""
+    decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots, L.v_slots,
+                           seqs, positions, M.cos, M.sin, M.eps)
 
 
 @njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)

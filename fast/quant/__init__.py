@@ -45,14 +45,15 @@ import fast.quant.target as target
 from fast.quant.target import JIT_OPTIONS
 
 # The row operations below, and what the kernels and tests take from the modules.
-__all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS", "Layout", "OFFSET",
-           "ROWS", "RUN", "RUNS", "RUN_FORMATS", "TYPES", "axpy", "axpy2t", "axpy4", "axpy4t", "bf16_bits",
+__all__ = ["AHEAD", "BLOCK", "BLOCK_FORMATS", "INPUT_FORMATS", "INTERLEAVED", "INTERLEAVED_FORMATS", "LAYOUTS",
+           "OFFSET", "ROWS", "RUN", "RUN_FORMATS", "RUNS", "TYPES", "axpy", "axpy2t", "axpy4", "axpy4t", "bf16_bits",
            "bf16_to_f32", "block_axpy", "block_axpy2t", "block_axpy4", "block_axpy4t", "block_dot", "block_dot2t",
-           "block_dot4t", "block_dot8", "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "dot", "dot2", "dot2_2t",
-           "dot2_4t", "dot2t", "dot4", "dot4_ahead", "dot4t", "decoded", "dot4x4", "f16_bits", "f16_round",
-           "f16_to_f32", "fma", "for_matmul", "for_sparse", "hints_ahead", "in_runs", "interleave", "interleaved",
-           "is_float", "layout_of", "load", "n_rows", "plain", "prefetch_span", "q8_0_block", "quantize_input",
-           "run_dot", "run_dot2t", "run_dot4", "run_dot4_ahead", "run_dot4t", "store", "to_runs"]
+           "block_dot4t", "block_dot8", "block_dot8_4t", "block_dot8x2_4t", "block_dot8x4", "decoded", "dot", "dot2",
+           "dot2_2t", "dot2_4t", "dot2t", "dot4", "dot4_ahead", "dot4t", "dot4x4", "f16_bits", "f16_round",
+           "f16_to_f32", "float_input", "fma", "for_matmul", "for_sparse", "hints_ahead", "in_runs", "interleave",
+           "interleaved", "is_float", "Layout", "layout_of", "load", "n_rows", "plain", "prefetch_span", "q8_0_block",
+           "q8_0_input", "quantize_input", "run_dot", "run_dot2t", "run_dot4", "run_dot4_ahead", "run_dot4t", "store",
+           "to_runs"]
 
 
 # ---------------------------------------------------------------------------------------------------- the row operations
@@ -64,15 +65,19 @@ def quantize_input(x, w):
     corrections of its blocks."""
 
 
-@overload(quantize_input, jit_options=JIT_OPTIONS)
-def _quantize_input(x, w):
-    if is_float(w):
-        return lambda x, w: (np.empty((x.shape[0], 0), np.int8), np.empty((x.shape[0], 0), np.float32),
-                             np.empty((x.shape[0], 0, 8), np.int32))
+def float_input(w):
+    """quantize_input for a float format's rows (Format.vec_dot None): they read the float32 token as it is."""
+    return lambda x, w: (np.empty((x.shape[0], 0), np.int8), np.empty((x.shape[0], 0), np.float32),
+                         np.empty((x.shape[0], 0, 8), np.int32))
+
+
+def q8_0_input(w):
+    """quantize_input for rows that read their token as Q8_0 blocks (q8_0, q4_0: ref.quant.quantize_q8_0, per block
+    of 32, q8_0_block), laid out as w's rows are (plain blocks, or runs)."""
     offset = OFFSET[TYPES[w.dtype].format.name]
     span = RUN if in_runs(w) else 1  # blocks whose words interleave
 
-    def q8_0(x, w):  # ref.quant.quantize_q8_0, per block of 32 (q8_0_block)
+    def q8_0(x, w):
         T, K = x.shape
         xq, xd = np.empty((T, K), np.int8), np.empty((T, K // BLOCK), np.float32)
         xs = np.zeros((T, K // BLOCK // span, 8), np.int32)
@@ -86,6 +91,16 @@ def _quantize_input(x, w):
                 xs[t, r, j] = -offset * total
         return xq, xd, xs
     return q8_0
+
+
+# Each input format (ref.common.formats.Format.vec_dot: what a product rounds its token to) as quantize_input makes
+# it for a weight's rows: a format whose products read another input format (K-quants: Q8_K) adds its entry here.
+INPUT_FORMATS = {None: float_input, "q8_0": q8_0_input}
+
+
+@overload(quantize_input, jit_options=JIT_OPTIONS)
+def _quantize_input(x, w):
+    return INPUT_FORMATS[TYPES[w.dtype].format.vec_dot](w)
 
 
 def dot4(w0, w1, w2, w3, x, xq, xd, xs):

@@ -158,7 +158,7 @@ def serving(path: Path, slots: int, ctx_size: int, batch_size: int, max_queue: i
         engine_options["threads"] = free_cores()  # busy core, and a 2-core machine got 1 thread
 
     def load():
-        engine = load_engine(path, notice=say_compiling, **engine_options)
+        engine = load_engine(path, notice=say_compiling, sequences=slots, **engine_options)
         if ctx_size > engine.config.max_seq_len:
             raise UserError(f"-c/--ctx-size {ctx_size} exceeds the model's context of {engine.config.max_seq_len}")
         return engine, tokenizer

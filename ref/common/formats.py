@@ -22,6 +22,8 @@ class Format:
     vector: str  # format of the vectors that go with such weights (norms, KV cache)
     dtype: np.dtype  # one block; numpy has no 16-bit floats numba can use, so f16 and bf16 are named uint16 records
     aliases: tuple[str, ...] = ()  # torch_dtype and safetensors names
+    vec_dot: str | None = None  # llama.cpp's vec_dot_type: the format a product with such weights rounds its input
+    # to (ref.quant.input_values; fast.quant.quantize_input), None for a float format's, which reads it as it is
 
     @property
     def quantized(self) -> bool:
@@ -46,8 +48,8 @@ FORMATS = {f.name: f for f in (
     Format("f16", 1, 1, 2, "f16", np.dtype([("f16", "<u2")]), ("float16", "F16")),
     Format("bf16", 30, 1, 2, "bf16", np.dtype([("bf16", "<u2")]), ("bfloat16", "BF16")),
     # llama.cpp keeps the KV cache of quantized models in f16
-    Format("q8_0", 8, 32, 34, "f16", np.dtype([("d", "<u2"), ("qs", "i1", (32,))])),
-    Format("q4_0", 2, 32, 18, "f16", np.dtype([("d", "<u2"), ("qs", "u1", (16,))])),
+    Format("q8_0", 8, 32, 34, "f16", np.dtype([("d", "<u2"), ("qs", "i1", (32,))]), vec_dot="q8_0"),
+    Format("q4_0", 2, 32, 18, "f16", np.dtype([("d", "<u2"), ("qs", "u1", (16,))]), vec_dot="q8_0"),
 )}
 
 

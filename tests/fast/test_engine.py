@@ -201,7 +201,7 @@ def test_one_token_steps_match_the_prompt_path_after_transforms(small, monkeypat
 @pytest.mark.parametrize("pick", ["threshold", "ahead"])
 def test_several_sequences_decode_in_one_call_as_the_per_layer_path(small, pick, monkeypatch):
     """One new token of each of several sequences (at different positions) runs every block in one compiled call
-    (cpu.decode_step): its logits equal the per-layer path's (Engine.one_call off), with the predictor's threshold
+    (cpu.decode_steps): its logits equal the per-layer path's (Engine.one_call off), with the predictor's threshold
     and with sets drawn ahead (fast.bench.SyntheticSelector: the step passes every layer's picks at once)."""
     from fast.bench import SyntheticSelector, synthetic_predictors
 
@@ -216,8 +216,8 @@ def test_several_sequences_decode_in_one_call_as_the_per_layer_path(small, pick,
             out.append(e.forward(Batch.of([(s, [3 * t + s + 1]) for s in prompts], cache), cache))
         return np.concatenate(out)
 
-    calls, step, decides = [], fast.cpu.decode_step, Engine.one_call
-    monkeypatch.setattr(fast.cpu, "decode_step", lambda *a: calls.append(a[1].shape[0]) or step(*a))
+    calls, step, decides = [], fast.cpu.decode_steps, Engine.one_call
+    monkeypatch.setattr(fast.cpu, "decode_steps", lambda *a: calls.append(a[1].shape[0]) or step(*a))
     want = steps(False)
     assert calls == []
     assert_close(steps(True), want, rtol=1e-6)
@@ -225,11 +225,11 @@ def test_several_sequences_decode_in_one_call_as_the_per_layer_path(small, pick,
 
 
 def test_decode_step_returns_the_rows_the_batch_asks_for(small, monkeypatch):
-    """A one-call decode step computes the output head inside cpu.decode_step when every row returns logits, and
+    """A one-call decode step computes the output head inside cpu.decode_steps when every row returns logits, and
     leaves it to Engine.output when the batch asks for some rows only (llama.cpp's batch.logits): the same logits."""
     e, heads = sparse_engine(small), []
-    step = fast.cpu.decode_step
-    monkeypatch.setattr(fast.cpu, "decode_step", lambda *a: heads.append(a[0].shape[0]) or step(*a))
+    step = fast.cpu.decode_steps
+    monkeypatch.setattr(fast.cpu, "decode_steps", lambda *a: heads.append(a[0].shape[0]) or step(*a))
 
     def decode(flags):
         cache = e.new_cache(8, slots=2)

@@ -165,6 +165,31 @@ def test_every_item_type_names_its_format_and_layout():
         quant.layout_of(np.zeros(2))
 
 
+def test_every_format_reads_its_input_as_ref_says():
+    """quantize_input makes each weight format's input format (Format.vec_dot: fast.quant.INPUT_FORMATS), in every
+    layout: the Q8_0 blocks of ref.quant.input_values (quants and scales), nothing for a float format."""
+    from fast import quant
+
+    @njit
+    def quantized(x, w):
+        return quant.quantize_input(x, w)
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    for f in FORMATS.values():
+        assert f.vec_dot in quant.INPUT_FORMATS
+        b = blocks(quantize(rng.standard_normal((16, 256)).astype(np.float32), f))
+        for w in (b, quant.for_matmul(b), quant.for_sparse(b.reshape(8, 2, -1))[:, 0]):
+            xq, xd, _ = quantized(x, w)
+            if f.vec_dot is None:
+                assert xq.shape == (3, 0)
+                continue
+            want = blocks(quantize(x, f.vec_dot))  # [T, B] Q8_0 blocks
+            np.testing.assert_array_equal(xd, want["d"].view(np.float16).astype(np.float32))
+            if quant.layout_of(w).name != "runs":  # runs interleave the quants word by word (to_runs)
+                np.testing.assert_array_equal(xq, want["qs"].reshape(3, -1))
+
+
 def test_the_reference_reads_blocks_as_ref_quant_does():
     """quant_ref's decoding of plain rows is ref.quant.values (the gguf package's, byte for byte), for every format."""
     from ref.quant import values

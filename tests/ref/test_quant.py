@@ -10,7 +10,7 @@ import ref
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.safetensors import upcast
-from ref.quant import Quantized, Transposed, quantize, quantize_model
+from ref.quant import Quantized, Transposed, input_values, quantize, quantize_model
 from tests.helpers import SHIPPED, assert_close
 
 TYPES = {"q8_0": GGML.Q8_0, "q4_0": GGML.Q4_0}
@@ -44,6 +44,18 @@ def test_stored_values_approximate_the_input(fmt, rtol):
     q = quantize(x, fmt)
     assert_close(upcast(q), x, rtol=rtol)
     assert_close(upcast(q[2:4]), upcast(q)[2:4], rtol=0)  # rows of the stored tensor are rows of its values
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_product_reads_its_input_in_its_formats_input_format(fmt):
+    """Format.vec_dot (llama.cpp's vec_dot_type): q8_0 and q4_0 weights read their input rounded to Q8_0 blocks, float
+    weights and a stored transpose read it as it is."""
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((3, 64)).astype(np.float32), quantize(rng.standard_normal((4, 64)), fmt)
+    want = x if FORMATS[fmt].vec_dot is None else upcast(quantize(x, FORMATS[fmt].vec_dot), np.float32)
+    assert (FORMATS[fmt].vec_dot is None) == (not FORMATS[fmt].quantized)
+    np.testing.assert_array_equal(input_values(x, w), want)
+    np.testing.assert_array_equal(input_values(x, Transposed(w)), x)
 
 
 def test_f16_and_bf16_round_to_nearest_even():
