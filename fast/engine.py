@@ -347,10 +347,12 @@ class Engine(Decoder):
         not run (fast.layers' `steps`: Fused attention and Bundles only), a selector whose own pick reads the logits,
         or layers whose arrays differ in type (a format per layer: one compiled step takes one type per field)."""
         sel, post = self.selector, self.config.block == "post_norm"
+        if self._step is not None and self._step[0] is sel:  # every decode step: what was decided when it was built
+            return self._step[1]
         if not all(L.attn.steps and L.ffn.steps for L in self.layers) or (sel.predicts and not sel.by_threshold
                                                                            and not sel.ahead):
-            return None
-        if self._step is None or self._step[0] is not sel:
+            self._step = (sel, None)
+        else:
             none = np.zeros((0, 0), F32)  # fc1, fc2 without a predictor
             fields = []
             for l, L in enumerate(self.layers):

@@ -80,6 +80,20 @@ class Thin:
         return cpu.thin_activations(a, ids, gu, bu, kind, thr, self.w[3], self.t[3])
 
 
+def normed(e, h: np.ndarray, w, b) -> np.ndarray:
+    """norm(h) [T, D] with a block's norm weights w, b (EMPTY: none; cpu.norm)."""
+    x = np.empty_like(h)
+    cpu.norm(x, h, w, b, e.eps)
+    return x
+
+
+def gate_up(e, x: np.ndarray, matrix: np.ndarray):
+    """([g | u] = x [Wg | Wu]^T [T, 2F], the kernels that ran it) for a dense FFN's one matrix (Dense, StoredDown)."""
+    gu, k = np.empty((x.shape[0], n_rows(matrix)), F32), e.kernels(*x.shape)
+    k.matmul(gu, x, matrix)
+    return gu, k
+
+
 def thinned_product(e, out: np.ndarray, x: np.ndarray, wt: np.ndarray, thin: Thin, site: int) -> None:
     """out = W thin(x) per token (site's weights and threshold), reading the rows of the stored transpose wt [K, N]
     that some token keeps (fast.cpu.sparse_rows; in BLAS for steps that the engine `e` sends there).
@@ -158,9 +172,7 @@ class Thinned:
     steps = False
 
     def forward(self, e, l: int, h: np.ndarray, w, b, batch, cache) -> np.ndarray:
-        c, T = e.config, h.shape[0]
-        x = np.empty_like(h)
-        cpu.norm(x, h, w, b, e.eps)
+        c, T, x = e.config, h.shape[0], normed(e, h, w, b)
         qkv = np.empty((T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), F32)  # [T, (H + 2K) E]
         thinned_product(e, qkv, x, self.wqkv, self.thin, 0)
         cpu.add_bias(qkv, self.bqkv)
@@ -227,8 +239,7 @@ class Bundles(FFN):
             cpu.ffn_batch_block(y, h, w, b, sel.fc1[l], sel.fc2[l], sel.threshold, given, self.bundle, self.bu, self.bd,
                                 len(e.acc), kind, thr, e.eps)
             return y
-        x = np.empty_like(h)
-        cpu.norm(x, h, w, b, e.eps)
+        x = normed(e, h, w, b)
         for t0 in range(0, T, FFN_CHUNK):
             n = min(FFN_CHUNK, T - t0)
             union, mask = e.active_sets(l, h[t0:t0 + n])
@@ -298,10 +309,7 @@ class Dense(FFN):
         if T == 1:
             cpu.dense_ffn_block(y[0], e.acc, h[0], w, b, self.gate_up, self.down, self.bd, e.kind, e.thr, e.eps)
             return y
-        x, gu = np.empty_like(h), np.empty((T, n_rows(self.gate_up)), F32)  # [T, D], [T, 2F]
-        cpu.norm(x, h, w, b, e.eps)
-        k = e.kernels(T, h.shape[1])
-        k.matmul(gu, x, self.gate_up)
+        gu, k = gate_up(e, normed(e, h, w, b), self.gate_up)  # [T, 2F]
         k.dense_down(y, np.empty((len(e.acc), T, h.shape[1]), F32), gu, self.down, e.kind, e.thr)
         cpu.add_bias(y, self.bd)
         return y
@@ -329,10 +337,7 @@ class StoredDown(FFN):
 
     def forward(self, e, l: int, h: np.ndarray, w, b) -> np.ndarray:
         y, T = np.empty_like(h), h.shape[0]
-        x, gu = np.empty_like(h), np.empty((T, n_rows(self.gate_up)), F32)  # [T, D], [T, 2F]
-        cpu.norm(x, h, w, b, e.eps)
-        k = e.kernels(T, h.shape[1])
-        k.matmul(gu, x, self.gate_up)
+        gu, k = gate_up(e, normed(e, h, w, b), self.gate_up)  # [T, 2F]
         a = np.empty((T, gu.shape[1] // 2), F32)  # [T, F]
         cpu.activations(a, gu, e.kind, e.thr)
         k.matmul(y, a, self.down)
@@ -365,8 +370,7 @@ class ThinnedFFN(FFN):
 
     def forward(self, e, l: int, h: np.ndarray, w, b) -> np.ndarray:
         y, T, F = np.empty_like(h), h.shape[0], self.down_t.shape[0]
-        x = np.empty_like(h)
-        cpu.norm(x, h, w, b, e.eps)
+        x = normed(e, h, w, b)
         gu = np.empty((T, F * (2 if e.config.gated else 1)), F32)  # [T, 2F]
         thinned_product(e, gu, x, self.gate_up_t, self.thin, 2)
         a, ids = np.empty((T, F), F32), np.empty(F, np.int32)

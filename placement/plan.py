@@ -17,7 +17,7 @@ from placement.cost import (CPU_KERNELS, GPU_EFFICIENCY, Parts, cpu_only, flops_
                             prompt_seconds)
 from placement.synthetic import firing
 from ref.common.artifacts import load_activations
-from ref.common.cli import FORMAT_CHOICE, renamed, user_errors
+from ref.common.cli import FORMAT_CHOICE, old_sparsity_option, user_errors
 from ref.common.config import SHAPES, ModelConfig, shape_config
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -60,7 +60,7 @@ def firing_of(cfg: ModelConfig, folder: Path | None, sparsity: float | None) -> 
 @click.option("--type", "type_", type=FORMAT_CHOICE, default="q4_0", show_default=True, help="Weight format.")
 @click.option("--predicted-sparsity", "sparsity", type=float, default=None,
               help="Mean share of FFN neurons idle per token [default: the folder's profile, else 0.9].")
-@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
+@old_sparsity_option
 @click.option("-c", "--ctx-size", type=int, default=4096, show_default=True, help="Positions the KV cache holds.")
 @click.option("--depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="Positions cached when a token decodes (their keys and values are read).")

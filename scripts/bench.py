@@ -19,7 +19,7 @@ from fast.bench import (LlamaCpp, ReadProbe, SyntheticSelector, bracketed_decode
                         dense_twin, overhead_per_token, prefill_rounds, random_engine, random_gguf,
                         sequence_rounds, server_twin, synthetic_predictors, thinned_twin)
 from ref.common.batch import KV_FORMATS
-from ref.common.cli import FORMAT_CHOICE, cache_types, positive_list, renamed, user_errors
+from ref.common.cli import FORMAT_CHOICE, cache_types, old_sparsity_option, positive_list, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.predictor import predictor_size
 from ref.common.formats import FORMATS
@@ -34,7 +34,7 @@ from ref.quant import predictor_format, predictors_beside, quantize_predictors
               help="The sparse run thins every linear layer's input (TEAL; thresholds drawn to drop this share of "
                    "each site's inputs): all of them with --predicted-sparsity 0, else attention's beside the "
                    "predictors.")
-@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
+@old_sparsity_option
 @click.option("--layers", type=int, default=None, help="Use only this many layers (a 7B shape in float32 needs 27 GB).")
 @click.option("--type", "type_", type=FORMAT_CHOICE, default="f32", show_default=True,
               help="Weight format of the synthetic model.")

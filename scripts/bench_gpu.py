@@ -17,7 +17,7 @@ from fast.hybrid import require_gpu, to_hybrid
 from placement.budget import HARDWARE, plan_budget, whole_layers
 from placement.solver import solve
 from placement.synthetic import synthetic_counts
-from ref.common.cli import FORMAT_CHOICE, positive_list, renamed, user_errors
+from ref.common.cli import FORMAT_CHOICE, old_sparsity_option, positive_list, user_errors
 from ref.common.config import SHAPES, shape_config
 from ref.common.errors import UserError
 from ref.common.formats import FORMATS
@@ -72,7 +72,7 @@ def kernel_bandwidths(D: int, F: int, sparsity: float, fmt: str = "f32", input_s
 @click.option("--budgets", default="0.1,0.25,0.5,1.0", show_default=True, help="VRAM budgets as shares of the model's bytes.")
 @click.option("--predicted-sparsity", "sparsity", default=0.9, show_default=True,
               help="Predicted FFN sparsity of the synthetic active sets.")
-@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
+@old_sparsity_option
 @click.option("--activation-sparsity", default=0.5, show_default=True,
               help="Share of zero inputs in the input-sparse product's kernel (sparse_rows).")
 @click.option("--tokens", default=8, show_default=True)

@@ -30,7 +30,7 @@ from fast.engine import FFN_NORM, set_threads
 from placement.budget import HARDWARE
 from placement.cost import CPU_KERNELS, Kernels, Parts, cpu_only, cpu_seconds, cpu_token_bytes, flops_per_byte
 from placement.synthetic import firing
-from ref.common.cli import renamed
+from ref.common.cli import old_sparsity_option
 from ref.common.config import shape_config
 from ref.common.formats import FORMATS
 from ref.predictor import predictor_size
@@ -137,7 +137,7 @@ def predict(p: Parts, fmt: str, sparsity: float, bandwidth: float, kernels: Kern
 @click.option("--formats", default="f16,q8_0,q4_0", show_default=True)
 @click.option("--predicted-sparsity", "sparsity", type=float, default=0.9, show_default=True,
               help="Predicted FFN sparsity of the synthetic active sets.")
-@renamed("--sparsity", "--predicted-sparsity", "the predicted FFN sparsity")
+@old_sparsity_option
 @click.option("-t", "--threads", type=int, default=2, show_default=True)
 @click.option("--tokens", type=int, default=8, show_default=True)
 @click.option("--runs", type=int, default=3, show_default=True)

@@ -141,14 +141,17 @@ def flag_group(flags: list, cls=None, keyword: str | None = None):
     return decorate
 
 
-def renamed(old: str, new: str, meaning: str):
-    """A hidden flag `old` that refuses itself with one line naming `new`: a script's flag renamed so that one name
-    means one thing in every CLI (never silently another meaning)."""
-    def refuse(ctx, param, value):
-        if value is not None:
-            raise click.UsageError(f"{old} is activation sparsity in the CLIs; {meaning} here is {new}")
-    name = "renamed_" + old.lstrip("-").replace("-", "_")  # not the new flag's: click keeps values by name
-    return click.option(old, name, hidden=True, expose_value=False, callback=refuse, default=None)
+def refuse_old_sparsity(ctx, param, value):
+    """The scripts' and the planner's --sparsity, now --predicted-sparsity: one line naming the new flag, never
+    silently another meaning (--sparsity is activation sparsity in the CLIs)."""
+    if value is not None:
+        raise click.UsageError("--sparsity is activation sparsity in the CLIs; the predicted FFN sparsity here is "
+                               "--predicted-sparsity")
+
+
+# A hidden --sparsity on a script that takes --predicted-sparsity (its own name: click keeps values by name).
+old_sparsity_option = click.option("--sparsity", "old_sparsity", hidden=True, expose_value=False,
+                                   callback=refuse_old_sparsity, default=None)
 
 
 generation_options = flag_group(GENERATION_FLAGS, Generation, "gen")  # llama.cpp's generation flags and defaults
