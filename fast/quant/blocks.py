@@ -1,6 +1,8 @@
 """q8_0 and q4_0 rows block by block: integer dot products of a row's blocks with the token's Q8_0 blocks (one
-token, two, four), axpys of dequantized rows, and the token's Q8_0 rounding (q8_0_block)."""
+token, two, four), axpys of dequantized rows, the token's Q8_0 rounding (q8_0_block, q8_0_input), and the row
+operations on such rows (`Blocks`)."""
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -8,7 +10,8 @@ from numba.extending import intrinsic
 
 from fast.quant.ir import (EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _data, _lane_sum, _lanes,
                            _prefetch, _read, _splat, _vec)
-from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, TYPES
+from fast.quant.floats import f16_bits, f16_round
+from fast.quant.layouts import BLOCK, BLOCK_FORMATS, RUN, RUNS, TYPES, chosen, in_runs
 import fast.quant.target as target
 
 
@@ -189,36 +192,6 @@ def block_dot2t(typingctx, w, x, xd, xs, t0, t1):
     return types.UniTuple(types.float32, 2)(w, x, xd, xs, t0, t1), _dot_t_codegen(fmt, 2)
 
 
-def _blocks_of(dtype):
-    """(format, in runs) of the row type whose blocks an axpy dequantizes: q8_0 / q4_0 blocks, or their RUNS; else
-    (None, False)."""
-    lay = TYPES.get(dtype)
-    if lay is None or not lay.format.quantized or lay.name == "groups":
-        return None, False
-    return lay.format, lay.name == "runs"
-
-
-def _transpose_words(builder, words):
-    """A run's words (4 or 8 <8 x i32>, lane j of vector i: word i of block j) as each block's words in order (8
-    vectors <4 x i32> or <8 x i32>): a butterfly of lane interleaves, 1 shuffle a block for q4_0, 3 for q8_0. An
-    axpy over runs still costs more than over blocks (q8_0: 2.4 against 1.5 ns a row's block)."""
-    def interleave(a, b, u, half):  # units of u lanes of a and b in turn, from lanes 4 half .. 4 half + 3
-        idx = []
-        for k in range(4 // u):
-            base = 4 * half + k * u
-            idx += [base + e for e in range(u)] + [8 + base + e for e in range(u)]
-        return builder.shuffle_vector(a, b, _lanes(*idx))
-
-    vecs, u = words, 1
-    while u < len(words):  # a stage: units of u lanes of vector k and k + u of each group of 2u, in turn
-        pairs = [(vecs[g + k], vecs[g + k + u]) for g in range(0, len(vecs), 2 * u) for k in range(u)]
-        vecs = [interleave(a, b, u, half) for a, b in pairs for half in (0, 1)]
-        u *= 2
-    # each vector now holds 8 / W blocks of W words, blocks in order
-    W = len(words)
-    return [builder.shuffle_vector(v, v, _lanes(*range(k * W, (k + 1) * W))) for v in vecs for k in range(8 // W)]
-
-
 def _values(builder, fmt, raw):
     """A block's 32 quants as float32 <32 x float> from its quant bytes `raw`: q8_0's 32 int8 <32 x i8>; q4_0's 16
     bytes <16 x i8>, each widened to a 32-bit lane before its nibbles are split (low: elements 0-15, high: 16-31) and
@@ -234,22 +207,11 @@ def _values(builder, fmt, raw):
                                   _lanes(*range(32)))
 
 
-def _item_blocks(builder, fmt, runs, p):
-    """The blocks of a row's item at p (a block, or a run of RUN) as (thunk of its 32 quants as float32 <32 x float>,
-    scale d float32) each: a run's words loaded once, block j's 16 (q4_0) or 32 (q8_0) bytes taken from lane j of
-    each."""
-    if not runs:
-        n = 16 if fmt.name == "q4_0" else 32
-        return [(lambda: _read(builder, builder.gep(p, [I64(2)]), _vec(I8, n)), _scale(builder, p))]
-    words = [_read(builder, builder.gep(p, [I64(2 * RUN + 32 * i)]), _vec(I32, 8))
-             for i in range((fmt.block_bytes - 2) // 4)]
-    d8 = builder.fpext(_read(builder, p, _vec(ir.HalfType(), RUN)), _vec(F32, RUN))
-    blocks_ = _transpose_words(builder, words)  # block j's words: <4 x i32> (q4_0) or <8 x i32> (q8_0)
-
-    def raw(j):
-        raw = builder.bitcast(blocks_[j], _vec(I8, 4 * len(words)))
-        return raw if fmt.name == "q4_0" else builder.xor(raw, _splat(I8, 32, -128))
-    return [((lambda j=j: raw(j)), builder.extract_element(d8, I32(j))) for j in range(RUN)]
+def _block_item(builder, fmt, p):
+    """The block at p as the one block of an item: [(thunk of its quant bytes, scale d float32)] (_values reads
+    them). Rows in runs read theirs with fast.quant.runs' _run_blocks."""
+    n = 16 if fmt.name == "q4_0" else 32
+    return [(lambda: _read(builder, builder.gep(p, [I64(2)]), _vec(I8, n)), _scale(builder, p))]
 
 
 def _fma_block(builder, q, a, d, y):
@@ -260,11 +222,15 @@ def _fma_block(builder, q, a, d, y):
     return _call(builder, "llvm.fma.v32f32", _vec(F32, 32), q, s, y)
 
 
-def _axpy_t_codegen(fmt, runs, n_tokens):
-    """y[t_k] += a_k dequant(w) for `n_tokens` tokens' rows of y [T, K], each block of w (blocks or runs)
-    dequantized once."""
-    size = RUNS[fmt.name].itemsize if runs else fmt.block_bytes
-    per = RUN if runs else 1  # blocks per item
+def _items(fmt, run_blocks):
+    """(bytes of an item, blocks in it, its reader) of rows in blocks, or in runs read by `run_blocks`."""
+    return (RUNS[fmt.name].itemsize, RUN, run_blocks) if run_blocks else (fmt.block_bytes, 1, _block_item)
+
+
+def _axpy_t_codegen(fmt, n_tokens, run_blocks=None):
+    """y[t_k] += a_k dequant(w) for `n_tokens` tokens' rows of y [T, K], each block of w dequantized once; w in
+    blocks, or in runs read by `run_blocks` (fast.quant.runs)."""
+    size, per, read = _items(fmt, run_blocks)
 
     def codegen(context, builder, sig, args):
         y_, ts, as_, w_ = args[0], args[1:1 + n_tokens], args[1 + n_tokens:1 + 2 * n_tokens], args[-1]
@@ -279,7 +245,7 @@ def _axpy_t_codegen(fmt, runs, n_tokens):
             off = builder.mul(i, I64(size))
             for line in range(0, size, 64):
                 _prefetch(builder, wp0, builder.add(off, I64(AHEAD + line)), limit)
-            for j, (raw, d) in enumerate(_item_blocks(builder, fmt, runs, builder.gep(wp0, [off]))):
+            for j, (raw, d) in enumerate(read(builder, fmt, builder.gep(wp0, [off]))):
                 q = _values(builder, fmt, raw())
                 b = builder.add(builder.mul(i, I64(per)), I64(j))
                 for start, a in zip(starts, as_):
@@ -295,23 +261,22 @@ def _axpy_t_codegen(fmt, runs, n_tokens):
 
 @intrinsic
 def block_axpy4t(typingctx, y, t0, t1, t2, t3, a0, a1, a2, a3, w):
-    """y[t0] += a0 dequant(w), ..., y[t3] += a3 dequant(w): y [T, K] float32, w [B] q8_0 or q4_0 blocks (or runs)."""
-    fmt, runs = _blocks_of(w.dtype)
-    return None if fmt is None else (types.void(y, t0, t1, t2, t3, a0, a1, a2, a3, w), _axpy_t_codegen(fmt, runs, 4))
+    """y[t0] += a0 dequant(w), ..., y[t3] += a3 dequant(w): y [T, K] float32, w [B] q8_0 or q4_0 blocks."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    return None if fmt is None else (types.void(y, t0, t1, t2, t3, a0, a1, a2, a3, w), _axpy_t_codegen(fmt, 4))
 
 
 @intrinsic
 def block_axpy2t(typingctx, y, t0, t1, a0, a1, w):
     """block_axpy4t for two tokens."""
-    fmt, runs = _blocks_of(w.dtype)
-    return None if fmt is None else (types.void(y, t0, t1, a0, a1, w), _axpy_t_codegen(fmt, runs, 2))
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    return None if fmt is None else (types.void(y, t0, t1, a0, a1, w), _axpy_t_codegen(fmt, 2))
 
 
-def _axpy_codegen(fmt, runs, rows):
-    """y += sum_r a_r dequant(w_r) for `rows` rows of blocks (or runs), each y vector loaded and stored once per
-    block."""
-    size = RUNS[fmt.name].itemsize if runs else fmt.block_bytes
-    per = RUN if runs else 1  # blocks per item
+def _axpy_codegen(fmt, rows, run_blocks=None):
+    """y += sum_r a_r dequant(w_r) for `rows` rows of blocks (or runs read by `run_blocks`), each y vector loaded
+    and stored once per block."""
+    size, per, read = _items(fmt, run_blocks)
 
     def codegen(context, builder, sig, args):
         y_, a_, w_ = args[0], args[1:1 + rows], args[1 + rows:]
@@ -326,7 +291,7 @@ def _axpy_codegen(fmt, runs, rows):
             for wp in wp0:
                 for line in range(0, size, 64):
                     _prefetch(builder, wp, builder.add(off, I64(AHEAD + line)), limit)
-                items.append(_item_blocks(builder, fmt, runs, builder.gep(wp, [off])))
+                items.append(read(builder, fmt, builder.gep(wp, [off])))
             for j in range(per):
                 b = builder.add(builder.mul(i, I64(per)), I64(j))
                 yp = builder.bitcast(builder.gep(yp0, [builder.mul(b, I64(BLOCK))]), _vec(F32, 32).as_pointer())
@@ -344,16 +309,16 @@ def _axpy_codegen(fmt, runs, rows):
 
 @intrinsic
 def block_axpy(typingctx, y, a, w):
-    """y += a dequant(w): y [K] float32, w [B] q8_0 or q4_0 blocks (or runs); prefetches within the row only."""
-    fmt, runs = _blocks_of(w.dtype)
-    return None if fmt is None else (types.void(y, a, w), _axpy_codegen(fmt, runs, 1))
+    """y += a dequant(w): y [K] float32, w [B] q8_0 or q4_0 blocks; prefetches within the row only."""
+    fmt = BLOCK_FORMATS.get(w.dtype)
+    return None if fmt is None else (types.void(y, a, w), _axpy_codegen(fmt, 1))
 
 
 @intrinsic
 def block_axpy4(typingctx, y, a0, a1, a2, a3, w0, w1, w2, w3):
     """y += a0 dequant(w0) + ... + a3 dequant(w3), rows of equal length."""
-    fmt, runs = _blocks_of(w0.dtype)
-    return None if fmt is None else (types.void(y, a0, a1, a2, a3, w0, w1, w2, w3), _axpy_codegen(fmt, runs, 4))
+    fmt = BLOCK_FORMATS.get(w0.dtype)
+    return None if fmt is None else (types.void(y, a0, a1, a2, a3, w0, w1, w2, w3), _axpy_codegen(fmt, 4))
 
 
 
@@ -390,3 +355,100 @@ def q8_0_block(typingctx, q, start, stride, v, first):
             builder.store(builder.extract_element(words, I32(k)), builder.bitcast(at, I32.as_pointer()), align=1)
         return context.make_tuple(builder, sig.return_type, [d, total])
     return types.Tuple([types.float32, types.int32])(q, start, stride, v, first), codegen
+
+
+def q8_0_input(w):
+    """fast.quant.quantize_input for rows that read their token as Q8_0 blocks (q8_0, q4_0:
+    ref.quant.quantize_q8_0, per block of 32, q8_0_block), laid out as w's rows are (plain blocks, or runs)."""
+    offset = OFFSET[TYPES[w.dtype].format.name]
+    span = RUN if in_runs(w) else 1  # blocks whose words interleave
+
+    def q8_0(x, w):
+        T, K = x.shape
+        xq, xd = np.empty((T, K), np.int8), np.empty((T, K // BLOCK), np.float32)
+        xs = np.zeros((T, K // BLOCK // span, 8), np.int32)
+        for t in range(T):
+            v = np.ascontiguousarray(x[t])
+            for b in range(K // BLOCK):
+                r, j = b // span, b % span  # run r, its block j (blocks: r = b, j = 0)
+                d, total = q8_0_block(xq[t], np.int64(r * BLOCK * span + 4 * j), np.int64(4 * span), v,
+                                      np.int64(b * BLOCK))
+                xd[t, b] = f16_round(d)
+                xs[t, r, j] = -offset * total
+        return xq, xd, xs
+    return q8_0
+
+
+class Blocks:
+    """fast.quant's row operations on rows of q8_0 or q4_0 blocks, against the token's Q8_0 blocks (xq [T, K],
+    xd [T, B], xs [T, B, 8]). A one-token product's reach: the row and whatever follows it (a matrix's next row, the
+    next rows of a neuron's bundle)."""
+
+    def dot(w, x, xq, xd, xs):
+        return block_dot(w, xq, xd, xs, np.int64(w.shape[0] + AHEAD))
+
+    def dot2(w0, w1, x, xq, xd, xs):
+        reach = np.int64(w0.shape[0] + AHEAD)
+        return block_dot(w0, xq, xd, xs, reach), block_dot(w1, xq, xd, xs, reach)
+
+    def dot4(w0, w1, w2, w3, x, xq, xd, xs):
+        reach = np.int64(w0.shape[0] + AHEAD)
+        return (block_dot(w0, xq, xd, xs, reach), block_dot(w1, xq, xd, xs, reach), block_dot(w2, xq, xd, xs, reach),
+                block_dot(w3, xq, xd, xs, reach))
+
+    def dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs):  # the caller hints the rows ahead
+        reach = np.int64(w0.shape[0] + AHEAD)
+        return (block_dot(w0, xq, xd, xs, reach), block_dot(w1, xq, xd, xs, reach), block_dot(w2, xq, xd, xs, reach),
+                block_dot(w3, xq, xd, xs, reach))
+
+    def hints_ahead(bundle):
+        return False
+
+    def dot2t(w, x, xq, xd, xs, t0, t1):
+        return block_dot2t(w, xq, xd, xs, np.int64(t0), np.int64(t1))
+
+    def dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
+        return block_dot4t(w, xq, xd, xs, np.int64(t0), np.int64(t1), np.int64(t2), np.int64(t3))
+
+    def dot2_2t(w0, w1, x, xq, xd, xs, t0, t1):
+        s0, s1 = block_dot2t(w0, xq, xd, xs, np.int64(t0), np.int64(t1))
+        r0, r1 = block_dot2t(w1, xq, xd, xs, np.int64(t0), np.int64(t1))
+        return s0, s1, r0, r1
+
+    def dot2_4t(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
+        s0, s1, s2, s3 = block_dot4t(w0, xq, xd, xs, np.int64(t0), np.int64(t1), np.int64(t2), np.int64(t3))
+        r0, r1, r2, r3 = block_dot4t(w1, xq, xd, xs, np.int64(t0), np.int64(t1), np.int64(t2), np.int64(t3))
+        return s0, s1, s2, s3, r0, r1, r2, r3
+
+    def axpy(y, a, w):
+        block_axpy(y, a, w)
+
+    def axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
+        block_axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3)
+
+    def axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+        block_axpy4t(y, np.int64(t0), np.int64(t1), np.int64(t2), np.int64(t3), a0, a1, a2, a3, w)
+
+    def axpy2t(y, t0, t1, a0, a1, w):
+        block_axpy2t(y, np.int64(t0), np.int64(t1), a0, a1, w)
+
+    @chosen
+    def store(row, x):
+        return _store_q8_0 if TYPES[row.dtype].format.name == "q8_0" else None  # a KV cache's blocks: q8_0 only
+
+    def decoded(rows, first, n, scratch):  # y = 0 + 1 w
+        for j in range(n):
+            scratch[j] = 0.0
+            block_axpy(scratch[j], np.float32(1.0), rows[first + j])
+        return scratch[:n]
+
+    def prefetch_span(bundle):
+        return bundle.shape[-1] * bundle.itemsize  # the whole row: the hardware prefetcher does not keep ahead
+
+
+def _store_q8_0(row, x):
+    """row = x as Q8_0 blocks (q8_0_block: the quants written into the block's own bytes)."""
+    v = np.ascontiguousarray(x)
+    for b in range(row.shape[0]):
+        d, _ = q8_0_block(row[b].qs, np.int64(0), np.int64(4), v, np.int64(b * BLOCK))
+        row[b].d = f16_bits(d)

@@ -1,6 +1,7 @@
 """Float formats' rows: f16 and bf16 bits decoded to float32 (`load`), and the 4 x 4 tiles of several tokens'
 products (dot4x4)."""
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -8,7 +9,7 @@ from numba.extending import intrinsic, overload
 
 from fast.quant.ir import (EXACT, F32, I16, I32, I64, I8, _block_loop, _broadcast, _call, _lanes, _member_sums, _read,
                            _splat, _vec)
-from fast.quant.layouts import float_kind
+from fast.quant.layouts import chosen, float_kind
 import fast.quant.target as target
 
 
@@ -83,6 +84,26 @@ def _load(row, k):
         return lambda row, k: f16_to_f32(row[k].f16)
     if isinstance(row.dtype, types.Record) and "bf16" in row.dtype.fields:
         return lambda row, k: bf16_to_f32(row[k].bf16)
+
+def put(row, k, v):
+    """row[k] = the float32 v in the row's float format (f16 and bf16 rounded to nearest even)."""
+
+
+@overload(put, inline="always")
+def _put(row, k, v):
+    if row.dtype == types.float32:
+        def f32(row, k, v):
+            row[k] = v
+        return f32
+    if isinstance(row.dtype, types.Record) and "f16" in row.dtype.fields:
+        def f16(row, k, v):
+            row[k].f16 = f16_bits(v)
+        return f16
+    if isinstance(row.dtype, types.Record) and "bf16" in row.dtype.fields:
+        def bf16(row, k, v):
+            row[k].bf16 = bf16_bits(v)
+        return bf16
+
 
 def _float_lanes(builder, kind, p, n):
     """n elements of a float-format row at p (i8*) as <n x float>: f16 by fpext (vcvtph2ps), bf16 by a shift."""
@@ -343,3 +364,93 @@ def widen(typingctx, out, row):
         _block_loop(builder, builder.sdiv(n, I64(L)), ir.Constant(I64, 0), step)
         return context.get_dummy_value()
     return types.void(out, row), codegen
+
+
+# ----------------------------------------------------------------------------------------------- the row operations
+
+def float_input(w):
+    """fast.quant.quantize_input for a float format's rows (Format.vec_dot None): they read the float32 token as it
+    is, so its quantized forms are empty."""
+    return lambda x, w: (np.empty((x.shape[0], 0), np.int8), np.empty((x.shape[0], 0), np.float32),
+                         np.empty((x.shape[0], 0, 8), np.int32))
+
+
+class Floats:
+    """fast.quant's row operations on rows of a float format (f32; f16 and bf16 bits), against float32 tokens as
+    they are (xq, xd, xs empty): every product one arithmetic (_float_products), every axpy one fma per element, rows
+    in their order."""
+
+    def dot(w, x, xq, xd, xs):
+        return fdot(w, x)[0]
+
+    def dot2(w0, w1, x, xq, xd, xs):
+        return fdot2(w0, w1, x)
+
+    def dot4(w0, w1, w2, w3, x, xq, xd, xs):
+        return fdot4(w0, w1, w2, w3, x)  # four streams (fast.cpu's STREAMS)
+
+    def dot4_ahead(w0, w1, w2, w3, a0, a1, a2, a3, x, xq, xd, xs):
+        return fdot4(w0, w1, w2, w3, x)  # a float row is long enough for the hardware prefetcher
+
+    def hints_ahead(bundle):
+        return False
+
+    def dot2t(w, x, xq, xd, xs, t0, t1):
+        return fdot2t(w, x[t0], x[t1])
+
+    def dot4t(w, x, xq, xd, xs, t0, t1, t2, t3):
+        return fdot4t(w, x[t0], x[t1], x[t2], x[t3])
+
+    def dot2_2t(w0, w1, x, xq, xd, xs, t0, t1):
+        return fdot2_2t(w0, w1, x[t0], x[t1])
+
+    def dot2_4t(w0, w1, x, xq, xd, xs, t0, t1, t2, t3):
+        return fdot2_4t(w0, w1, x[t0], x[t1], x[t2], x[t3])
+
+    def axpy(y, a, w):
+        for d in range(y.shape[0]):
+            y[d] = fma(a, load(w, d), y[d])
+
+    def axpy4(y, a0, a1, a2, a3, w0, w1, w2, w3):
+        for d in range(y.shape[0]):
+            y[d] = fma(a3, load(w3, d), fma(a2, load(w2, d), fma(a1, load(w1, d), fma(a0, load(w0, d), y[d]))))
+
+    def axpy4t(y, t0, t1, t2, t3, a0, a1, a2, a3, w):
+        for d in range(y.shape[1]):
+            wd = load(w, d)
+            y[t0, d] = fma(a0, wd, y[t0, d])
+            y[t1, d] = fma(a1, wd, y[t1, d])
+            y[t2, d] = fma(a2, wd, y[t2, d])
+            y[t3, d] = fma(a3, wd, y[t3, d])
+
+    def axpy2t(y, t0, t1, a0, a1, w):
+        for d in range(y.shape[1]):
+            wd = load(w, d)
+            y[t0, d] = fma(a0, wd, y[t0, d])
+            y[t1, d] = fma(a1, wd, y[t1, d])
+
+    def store(row, x):
+        for k in range(x.shape[0]):
+            put(row, k, x[k])
+
+    @chosen
+    def decoded(rows, first, n, scratch):
+        if rows.dtype == types.float32:  # the rows themselves
+            return lambda rows, first, n, scratch: rows[first:first + n]
+        return _widened
+
+    def prefetch_span(bundle):
+        return 64  # the first line: a float row is long enough for the hardware prefetcher
+
+
+def _widened(rows, first, n, scratch):
+    """Rows first..first+n-1 of f16 or bf16 rows, decoded into scratch: whole vectors widened, else element by
+    element."""
+    E = scratch.shape[1]
+    for j in range(n):
+        if E % target.FLOAT_LANES == 0:
+            widen(scratch[j], rows[first + j])
+        else:
+            for e in range(E):
+                scratch[j, e] = load(rows[first + j], e)
+    return scratch[:n]

@@ -1,5 +1,6 @@
-"""q8_0 and q4_0 rows eight lanes at a time: a group of 8 interleaved rows against the token (lanes are rows), or a
-row's run of 8 blocks against the token's run (lanes are blocks), one vpdpbusd for 4 quants of each lane."""
+"""q8_0 and q4_0 rows in interleaved groups (INTERLEAVED, fast.cpu.matmul's layout): a group of 8 rows against the
+token eight lanes at a time (lanes are rows), one vpdpbusd for 4 quants of each lane. Its engine (_dot8_codegen) also
+reads rows in runs, whose lanes are blocks (fast.quant.runs)."""
 
 from llvmlite import ir
 from numba import types
@@ -7,9 +8,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fast.quant.blocks import AHEAD
-from fast.quant.ir import (EXACT, F32, I32, I64, _block_loop, _broadcast, _call, _data, _dpbusd, _joined, _lane_sum,
+from fast.quant.ir import (EXACT, F32, I32, I64, _block_loop, _broadcast, _data, _dpbusd, _joined, _lane_sum,
                            _lanes, _prefetch, _read, _splat, _vec)
-from fast.quant.layouts import BLOCK, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUN, RUNS, RUN_FORMATS
+from fast.quant.layouts import BLOCK, INTERLEAVED, INTERLEAVED_FORMATS, ROWS, RUNS
 import fast.quant.target as target
 
 
@@ -49,19 +50,6 @@ def _token_block(builder, xp, dp, sp, b, shared, n=8):
     return words, corr, _broadcast(builder, builder.load(builder.gep(dp, [b])), n)
 
 
-def _token_run(builder, xp, dp, sp, r, shared):
-    """Token run r as a run of a row reads it (RUNS; quantize_input lays the token out so): its 8 word vectors (lane
-    j: word k of block j), its correction lanes and its scales; loaded as _token_block loads words."""
-    xw = builder.bitcast(builder.gep(xp, [builder.mul(r, I64(RUN * BLOCK))]), _vec(I32, 8).as_pointer())
-
-    def word(k):
-        return builder.load(builder.gep(xw, [I64(k)]), align=1)
-    words = [word(k) for k in range(8)].__getitem__ if shared else word
-    lanes = builder.mul(r, I64(RUN))
-    corr = builder.load(builder.bitcast(builder.gep(sp, [lanes]), _vec(I32, 8).as_pointer()), align=4)
-    return words, corr, builder.load(builder.bitcast(builder.gep(dp, [lanes]), _vec(F32, 8).as_pointer()), align=4)
-
-
 def _group_term(builder, operands, token, d8):
     """<n x float> d_r xd (q_r . x) of a group block's 8 rows (or two groups' 16) and a token block: vpdpbusd in
     four chains (its latency), the first started from the correction -OFFSET sum(x) (the same for every row)."""
@@ -74,16 +62,17 @@ def _group_term(builder, operands, token, d8):
     return builder.fmul(builder.sitofp(total, _vec(F32, n)), builder.fmul(d8, xd, flags=EXACT), flags=EXACT)
 
 
-def _dot8_codegen(fmt, streams, n_tokens, runs=False, ahead=False):
+def _dot8_codegen(fmt, streams, n_tokens, run_token=None, ahead=False):
     """Codegen of `streams` groups of interleaved rows against `n_tokens` Q8_0 tokens: one token (x [K], xd [B],
     xs [B, 8]) or tokens t_k of x [T, K] (xd [T, B], xs [T, B, 8]); each group block unpacked once for all tokens,
     each token block loaded once for all groups. Sums group by group, token by token.
-    With `runs`, `streams` rows in RUNS against tokens laid out for them (xs [T, B / RUN, RUN]): lanes are blocks,
-    one sum per row and token.
+    With `run_token` (fast.quant.runs' reading of a token's run), `streams` rows in RUNS against tokens laid out for
+    them (xs [T, B / RUN, RUN]): lanes are blocks, one sum per row and token.
     Where vpdpbusd has 16 lanes (target.WIDE), an even number of streams goes two by two, side by side in 16 lanes: half
     the instructions for the same products.
     With `ahead`, `streams` more rows follow the rows (the ones the caller reads next) and each step hints the same
     offset of each into L2: their misses spread over this pass instead of arriving at once."""
+    runs = run_token is not None
     gb = (RUNS if runs else INTERLEAVED)[fmt.name].itemsize  # bytes of a group block, or of a run
     width = 2 if target.WIDE and streams % 2 == 0 else 1  # streams per vector
     n_acc, lanes_t = streams // width * max(n_tokens, 1), _vec(F32, 8 * width)
@@ -99,21 +88,14 @@ def _dot8_codegen(fmt, streams, n_tokens, runs=False, ahead=False):
         sp0 = builder.bitcast(_data(context, builder, sig.args[nw + 2], xs_), I32.as_pointer())
         limit = builder.mul(reach_, I64(gb))
         row = builder.mul(n, I64(gb))  # bytes of a row (and of a row ahead)
-        if ts:  # token t's rows: quants at t K, scales at t B, correction lanes at 8 t B
-            K = cgutils.unpack_tuple(builder, context.make_array(sig.args[nw])(context, builder, x_).shape)[1]
-            B = builder.sdiv(K, I64(BLOCK))
-            lanes = B if runs else builder.mul(B, I64(8))  # correction lanes per token
-            tokens = [(builder.gep(xp0, [builder.mul(t, K)]), builder.gep(dp0, [builder.mul(t, B)]),
-                       builder.gep(sp0, [builder.mul(t, lanes)])) for t in ts]
-        else:
-            tokens = [(xp0, dp0, sp0)]
+        tokens = _tokens(context, builder, sig.args[nw], x_, (xp0, dp0, sp0), ts, runs)
 
         def token_blocks(b):
             if not runs:  # words shared by vectors are loaded once
                 return [_token_block(builder, *tok, b, streams > width, 8 * width) for tok in tokens]
             out = []
             for tok in tokens:  # a run's lanes are its blocks: the same token vectors for both rows of a pair
-                words, corr, xd = _token_run(builder, *tok, b, streams > 1)
+                words, corr, xd = run_token(builder, *tok, b, streams > 1)
                 out.append((lambda k, words=words: _joined(builder, [words(k)] * width),
                             _joined(builder, [corr] * width), _joined(builder, [xd] * width)))
             return out
@@ -142,20 +124,35 @@ def _dot8_codegen(fmt, streams, n_tokens, runs=False, ahead=False):
 
         zero = ir.Constant(lanes_t, [0.0] * lanes_t.count)
         accs = _block_loop(builder, n, ir.Constant(ir.LiteralStructType([lanes_t] * n_acc), [zero] * n_acc), body)
-
-        def half(s, k):  # stream s's 8 lanes of token k's accumulator
-            j, m = divmod(s, width)
-            v = builder.extract_value(accs, j * len(tokens) + k)
-            return v if width == 1 else builder.shuffle_vector(v, v, _lanes(*range(8 * m, 8 * m + 8)))
-        if runs:  # a row's sum across its lanes (blocks)
-            sums = [_lane_sum(builder, half(s, k)) for s in range(streams) for k in range(len(tokens))]
-        else:  # lanes are rows
-            sums = [builder.extract_element(half(s, k), I32(r))
-                    for s in range(streams) for k in range(len(tokens)) for r in range(ROWS)]
-        if len(sums) == 1:  # one row, one token: a float32
-            return sums[0]
-        return context.make_tuple(builder, sig.return_type, sums)
+        sums = _sums(builder, accs, streams, width, len(tokens), runs)
+        return sums[0] if len(sums) == 1 else context.make_tuple(builder, sig.return_type, sums)  # one: a float32
     return codegen
+
+
+def _tokens(context, builder, xty, x_, pointers, ts, runs):
+    """(quants, scales, correction lanes) pointers of each token t of ts in x [T, K] (xty x_), from x's own
+    `pointers`: quants at t K, scales at t B, correction lanes at 8 t B (runs: t B); [pointers] for one token."""
+    if not ts:
+        return [pointers]
+    xp0, dp0, sp0 = pointers
+    K = cgutils.unpack_tuple(builder, context.make_array(xty)(context, builder, x_).shape)[1]
+    B = builder.sdiv(K, I64(BLOCK))
+    lanes = B if runs else builder.mul(B, I64(8))  # correction lanes per token
+    return [(builder.gep(xp0, [builder.mul(t, K)]), builder.gep(dp0, [builder.mul(t, B)]),
+             builder.gep(sp0, [builder.mul(t, lanes)])) for t in ts]
+
+
+def _sums(builder, accs, streams, width, n_tokens, runs):
+    """The products from _dot8_codegen's accumulators (width streams a vector, n_tokens of them a stream), stream by
+    stream, token by token: a row in runs sums its lanes (blocks); a group's lanes are its rows' sums."""
+    def half(s, k):  # stream s's 8 lanes of token k's accumulator
+        j, m = divmod(s, width)
+        v = builder.extract_value(accs, j * n_tokens + k)
+        return v if width == 1 else builder.shuffle_vector(v, v, _lanes(*range(8 * m, 8 * m + 8)))
+    if runs:
+        return [_lane_sum(builder, half(s, k)) for s in range(streams) for k in range(n_tokens)]
+    return [builder.extract_element(half(s, k), I32(r)) for s in range(streams) for k in range(n_tokens)
+            for r in range(ROWS)]
 
 
 @intrinsic
@@ -201,52 +198,3 @@ def block_dot8x2_4t(typingctx, w0, w1, x, xd, xs, reach, t0, t1, t2, t3):
         return None
     return (types.UniTuple(types.float32, 8 * ROWS)(w0, w1, x, xd, xs, reach, t0, t1, t2, t3),
             _dot8_codegen(fmt, 2, 4))
-
-
-@intrinsic
-def run_dot(typingctx, w, x, xd, xs, reach):
-    """w . x for a row w [B / RUN] in RUNS and a Q8_0 token laid out for it (xq [K] int8, xd [B] scales, xs
-    [B / RUN, RUN] correction lanes); prefetches up to `reach` runs from the row's start."""
-    fmt = RUN_FORMATS.get(w.dtype)
-    if fmt is None:
-        return None
-    return types.float32(w, x, xd, xs, reach), _dot8_codegen(fmt, 1, 0, runs=True)
-
-
-@intrinsic
-def run_dot4(typingctx, w0, w1, w2, w3, x, xd, xs, reach):
-    """run_dot of four rows at once (four streams), the token's runs loaded once for the four."""
-    fmt = RUN_FORMATS.get(w0.dtype)
-    if fmt is None:
-        return None
-    return types.UniTuple(types.float32, 4)(w0, w1, w2, w3, x, xd, xs, reach), _dot8_codegen(fmt, 4, 0, runs=True)
-
-
-@intrinsic
-def run_dot4_ahead(typingctx, w0, w1, w2, w3, a0, a1, a2, a3, x, xd, xs, reach):
-    """run_dot4, hinting rows a0..a3 (the four read next) into L2 as these are read, line for line."""
-    fmt = RUN_FORMATS.get(w0.dtype)
-    if fmt is None or any(a.dtype != w0.dtype for a in (a0, a1, a2, a3)):
-        return None
-    return (types.UniTuple(types.float32, 4)(w0, w1, w2, w3, a0, a1, a2, a3, x, xd, xs, reach),
-            _dot8_codegen(fmt, 4, 0, runs=True, ahead=True))
-
-
-@intrinsic
-def run_dot4t(typingctx, w, x, xd, xs, reach, t0, t1, t2, t3):
-    """run_dot of one row against four tokens t0..t3 of x (xq [T, K], xd [T, B], xs [T, B / RUN, RUN]): each run
-    unpacked once for the four."""
-    fmt = RUN_FORMATS.get(w.dtype)
-    if fmt is None:
-        return None
-    return (types.UniTuple(types.float32, 4)(w, x, xd, xs, reach, t0, t1, t2, t3),
-            _dot8_codegen(fmt, 1, 4, runs=True))
-
-
-@intrinsic
-def run_dot2t(typingctx, w, x, xd, xs, reach, t0, t1):
-    """run_dot4t for two tokens."""
-    fmt = RUN_FORMATS.get(w.dtype)
-    if fmt is None:
-        return None
-    return types.UniTuple(types.float32, 2)(w, x, xd, xs, reach, t0, t1), _dot8_codegen(fmt, 1, 2, runs=True)

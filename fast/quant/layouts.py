@@ -1,6 +1,6 @@
 """How a matrix's rows are laid out for the kernels: plain rows of a format's items (ref.common.formats' dtype),
 q8_0 and q4_0 rows interleaved in groups (INTERLEAVED, for matmul), a row's blocks in runs (RUNS, for the sparse FFN);
-the transforms between them, and what a numba array type holds. fast.quant_ref reads each layout from its
+the transforms between them, and what a numba array type holds. fast.quant.reference reads each layout from its
 definition.
 
 An array's item type is its format and layout at once: numba compiles a kernel per item type, so that is how a
@@ -42,6 +42,8 @@ INTERLEAVED = {n: np.dtype([("d", "<u2", (ROWS,)), ("qs", "u1", (ROWS * (FORMATS
 # ([1, 2048] x [1024, 2048] q4_0 in cache, 2 threads); a neuron's rows cannot be grouped with its neighbours', whom
 # the predictor does not pick with it.
 RUN = 8
+# What the interleaved layouts xor into a block's quant bytes: q8_0's stored unsigned (q + 128), q4_0's as they are.
+FLIP = {"q8_0": 0x80, "q4_0": 0}
 RUNS = {n: np.dtype([("d", "<u2", (RUN,)), ("qw", "u1", (RUN * (FORMATS[n].block_bytes - 2),))]) for n in QUANTIZED}
 
 
@@ -96,6 +98,14 @@ def float_kind(dtype) -> str | None:
     return None if lay is None or lay.format.quantized else lay.format.name
 
 
+def chosen(typer):
+    """Marks a row operation of a layout's class (fast.quant.floats.Floats, ...) as a typer: called with the numba
+    types of the arguments, it returns the implementation for them (as a numba overload does), where one
+    implementation does not serve every format of the layout."""
+    typer.chooses = True
+    return typer
+
+
 # -------------------------------------------------------------------------------------------------- interleaved matrices
 
 def interleaved(w) -> bool:
@@ -124,7 +134,7 @@ def interleave(*parts: np.ndarray) -> np.ndarray:
     for p in parts:
         interleave_bytes(out[at:at + p.shape[0] // ROWS].view(np.uint8).reshape(-1, B, ROWS * size),
                          np.ascontiguousarray(p).view(np.uint8).reshape(-1, B, size),
-                         np.uint8(0x80 if name == "q8_0" else 0))
+                         np.uint8(FLIP[name]))
         at += p.shape[0] // ROWS
     return out
 
@@ -156,7 +166,7 @@ def to_runs(w: np.ndarray) -> np.ndarray:
     out["d"] = r["d"]
     qs = r["qs"].view(np.uint8).reshape(*r.shape, words, 4)  # [N, run, j, word, byte]
     out["qw"] = (qs.transpose(0, 1, 3, 2, 4).reshape(*r.shape[:2], RUN * 4 * words)
-                 ^ np.uint8(0x80 if name == "q8_0" else 0))
+                 ^ np.uint8(FLIP[name]))
     return out.reshape(*lead, B // RUN)
 
 
@@ -182,7 +192,7 @@ def plain(w: np.ndarray) -> np.ndarray:
         r = np.ascontiguousarray(w).reshape(-1, n)  # [N, run]
         out = np.empty((r.shape[0], n, RUN), fmt.dtype)
         out["d"] = r["d"]
-        qw = (r["qw"] ^ np.uint8(0x80 if name == "q8_0" else 0)).reshape(*r.shape, words, RUN, 4)  # [N, run, word, j, byte]
+        qw = (r["qw"] ^ np.uint8(FLIP[name])).reshape(*r.shape, words, RUN, 4)  # [N, run, word, j, byte]
         out["qs"] = qw.transpose(0, 1, 3, 2, 4).reshape(*r.shape, RUN, 4 * words).view(out["qs"].dtype)
         return out.reshape(*lead, n * RUN)
     if lay.name == "rows":
@@ -191,7 +201,7 @@ def plain(w: np.ndarray) -> np.ndarray:
     (G, B), words = w.shape, (FORMATS[name].block_bytes - 2) // 4
     out = np.empty((G, ROWS, B), FORMATS[name].dtype)
     out["d"] = w["d"].transpose(0, 2, 1)
-    qs = (w["qs"] ^ np.uint8(0x80 if name == "q8_0" else 0)).reshape(G, B, words, ROWS, 4)  # [G, B, word, r, byte]
+    qs = (w["qs"] ^ np.uint8(FLIP[name])).reshape(G, B, words, ROWS, 4)  # [G, B, word, r, byte]
     out["qs"] = qs.transpose(0, 3, 1, 2, 4).reshape(G, ROWS, B, 4 * words).view(out["qs"].dtype)
     return out.reshape(G * ROWS, B)
 

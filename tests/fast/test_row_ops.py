@@ -1,12 +1,12 @@
-"""Every row operation of fast.quant against its plain reference (fast.quant_ref), in one table: each operation, weight
-format and layout; the integer products (q8_0, q4_0) also on every instruction set this machine can run. And the
-layouts themselves (interleave, to_runs, plain) against the reference's reading of their definitions."""
+"""Every row operation of fast.quant against its plain reference (fast.quant.reference), in one table: each operation,
+weight format and layout; the integer products (q8_0, q4_0) also on every instruction set this machine can run. And
+the layouts themselves (interleave, to_runs, plain) against the reference's reading of their definitions."""
 
 import numpy as np
 import pytest
 from numba import njit
 
-from fast import quant_ref as R
+from fast.quant import reference as R
 from ref.common.formats import FORMATS
 from ref.quant import blocks, quantize
 from tests.fast.isa import generating, with_isa
@@ -165,6 +165,22 @@ def test_every_item_type_names_its_format_and_layout():
         quant.layout_of(np.zeros(2))
 
 
+def test_every_layout_implements_the_row_operations_as_declared():
+    """fast.quant.IMPLEMENTATIONS holds a class for every layout of plain rows and runs, each defining every row
+    operation (runs: all but a KV cache's store and decoded) with its stub's parameters, and nothing else."""
+    import inspect
+
+    from fast import quant
+    stubs = {op.__name__: list(inspect.signature(op).parameters) for op in quant.ROW_OPERATIONS}
+    kinds = {(lay.name, lay.format.quantized) for lay in quant.LAYOUTS.values()} - {("groups", True)}
+    assert set(quant.IMPLEMENTATIONS) == kinds
+    for (layout, _), cls in quant.IMPLEMENTATIONS.items():
+        funcs = {name: f for name, f in vars(cls).items() if callable(f)}
+        assert set(funcs) == set(stubs) - ({"store", "decoded"} if layout == "runs" else set()), cls.__name__
+        for name, f in funcs.items():
+            assert list(inspect.signature(f).parameters) == stubs[name], f"{cls.__name__}.{name}"
+
+
 def test_every_format_reads_its_input_as_ref_says():
     """quantize_input makes each weight format's input format (Format.vec_dot: fast.quant.INPUT_FORMATS), in every
     layout: the Q8_0 blocks of ref.quant.input_values (quants and scales), nothing for a float format."""
@@ -191,7 +207,8 @@ def test_every_format_reads_its_input_as_ref_says():
 
 
 def test_the_reference_reads_blocks_as_ref_quant_does():
-    """quant_ref's decoding of plain rows is ref.quant.values (the gguf package's, byte for byte), for every format."""
+    """The reference's decoding of plain rows is ref.quant.values (the gguf package's, byte for byte), for every
+    format."""
     from ref.quant import values
     x = np.random.default_rng(4).standard_normal((3, 64)).astype(np.float32)
     for f in FORMATS.values():
