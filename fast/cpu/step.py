@@ -79,14 +79,17 @@ def step_blocks(out, h, layers, seqs, positions, sets, M, attention):
         matmul(out, x, M.lm_head)
 
 
-@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
+# The attention steps are inlined where step_blocks is: numba generates a compiled function's code together with that
+# of everything it calls, so a level of their own would generate attention_block's whole code once more (2 s of a
+# cold start).
+@njit(inline="always")
 def one_attention(a, h, L, seqs, positions, M):
     """a = layer L's attention_block for one sequence's token h [1, D]."""
     attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots[seqs[0]],
                     L.v_slots[seqs[0]], M.cos, M.sin, positions[0], M.eps)
 
 
-@njit(cache=True, nogil=True, fastmath=False, error_model=ERROR_MODEL)
+@njit(inline="always")
 def batch_attention(a, h, L, seqs, positions, M):
     """a = layer L's decode_attention_block for one token of each of T sequences, h [T, D]."""
     decode_attention_block(a, h, L.attn_w, L.attn_b, L.wqkv, L.bqkv, L.qk_norms, L.wo, L.bo, L.k_slots, L.v_slots,
