@@ -12,14 +12,15 @@ from fast.engine import Decoder, Engine, apply_predictors, apply_activation_spar
 from fast.hybrid import device_identity, require_gpu, to_hybrid
 from placement.budget import GiB, hardware_for, whole_layers
 from placement.place import place, request
-from ref.common.artifacts import load_placement
+from ref.common.artifacts import EMBEDDED, load_placement
 from ref.common.checkpoint import load_checkpoint
 from ref.common.errors import UserError
 from ref.common.batch import KV_DEFAULT, kv_format
 from ref.common.formats import FORMATS, Format, format_of
 from ref.common.names import expected_shapes
 from ref.activation_sparsity import sparsity_to_run
-from ref.sparse import EMBEDDED, predictors_to_run
+from ref.sparse import predictors_to_run
+
 
 def say_compiling(engine) -> None:
     """The CLIs' notice, on stderr, that kernels for this engine's combination of formats compile now (cached after:

@@ -15,7 +15,7 @@ from ref.common.cli import (FORMAT_CHOICE, ActivationSparsityFlags, Generation, 
                             activation_sparsity_options, generate_session, generation_options, predictor_options,
                             user_errors)
 from ref.common.tokenizer import load_tokenizer
-from ref.sparse import EMBEDDED, default_predictors
+from ref.common.artifacts import EMBEDDED
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,15 +46,15 @@ def main(gen: Generation, pred: PredictorFlags, act: ActivationSparsityFlags, th
             raise UserError(f"{gpu_only[0]} places weights on a GPU: it needs --device gpu or hybrid")
     if json_file is not None and not json_file.parent.is_dir():
         raise UserError(f"--json {json_file}: folder {json_file.parent} does not exist")
-    predictors = default_predictors(model_dir, pred.predictors, dense=pred.dense)
+    predictors = pred.options(model_dir)
     t0 = time.perf_counter()
-    engine = load_engine(model_dir, device=device, predictors=predictors, placement=placement, vram_budget=vram_budget,
-                         threads=threads, predictor_threshold=pred.predictor_threshold, policy=policy, type_=type_,
-                         predictor_type=pred.predictor_type, notice=say_compiling, cache_types=gen.cache_types,
+    engine = load_engine(model_dir, device=device, placement=placement, vram_budget=vram_budget, threads=threads,
+                         policy=policy, type_=type_, notice=say_compiling, cache_types=gen.cache_types, **predictors,
                          **act.options())
     tok = load_tokenizer(model_dir)
     load_seconds = time.perf_counter() - t0
-    source = f"{model_dir}'s own" if predictors == EMBEDDED else predictors
+    given = predictors["predictors"]
+    source = f"{model_dir}'s own" if given == EMBEDDED else given
     mode = f"sparse ({source}, threshold {engine.selector.threshold})" if engine.selector.predicts else "dense"
     mode += act.about()
     threads_line = f"{engine.threads} thread{'s' if engine.threads > 1 else ''}"

@@ -94,7 +94,6 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shif
     if not all(importlib.util.find_spec(name) for name in ("fastapi", "uvicorn", "jinja2")):
         raise UserError("fast.serve needs FastAPI and uvicorn: pip install -e '.[server]'")
     from fast.server.app import serving
-    from ref.sparse import default_predictors
 
     path = resolve_model(model_dir, model)
     pred.check(), act.check()
@@ -115,10 +114,8 @@ def main(model_dir, model, host, port, slots, ctx_size, batch_size, context_shif
             raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
     server, app = serving(path, slots, ctx_size, batch_size, max_queue, alias, api_key, host, host_allow,
                           int(max_body * 2**20), cors, context_shift, keep, cache_ram, device=device,
-                          predictors=default_predictors(path, pred.predictors, dense=pred.dense),
-                          predictor_threshold=pred.predictor_threshold, predictor_type=pred.predictor_type,
                           threads=threads, type_=type_, vram_budget=vram_budget,
-                          cache_types=cache_types(cache_type_k, cache_type_v), **act.options())
+                          cache_types=cache_types(cache_type_k, cache_type_v), **pred.options(path), **act.options())
     click.echo(f"loading {path} on the engine thread; serving http://{host}:{port} (/health is 503 until loaded)",
                err=True)
     if not serve_until_stopped(server, app, host, port, shutdown_timeout, act.about()):

@@ -14,7 +14,6 @@ from ref.common.batch import kv_format
 from ref.common.cli import (ActivationSparsityFlags, Generation, PredictorFlags, activation_sparsity_options,
                             generate_session, generation_options, predictor_options, user_errors)
 from ref.common.tokenizer import load_tokenizer
-from ref.sparse import default_predictors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,9 +28,8 @@ def main(gen: Generation, pred: PredictorFlags, act: ActivationSparsityFlags, us
     model_dir = gen.check().model_dir
     pred.check(), act.check()
     t0 = time.perf_counter()
-    model = load_model(model_dir, default_predictors(model_dir, pred.predictors, dense=pred.dense),
-                       np.float64 if use_f64 else np.float32, predictor_threshold=pred.predictor_threshold,
-                       predictor_type=pred.predictor_type, **act.options())
+    model = load_model(model_dir, dtype=np.float64 if use_f64 else np.float32, **pred.options(model_dir),
+                       **act.options())
     model.kv_types = tuple(kv_format(name, flag, model.config.head_dim).name
                            for name, flag in zip(gen.cache_types, ("-ctk", "-ctv")))
     tok = load_tokenizer(model_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ref.activation_sparsity import apply_activation_sparsity, sparsity_to_run
-from ref.common.artifacts import Predictors
+from ref.common.artifacts import EMBEDDED, Predictors
 from ref.common.formats import Format, format_of
 from ref.common.safetensors import upcast
 from ref.model import FFN_NORM, Model, ffn_activation, fired, require_sparse
@@ -140,20 +140,6 @@ def apply_predictors(model: Model, predictors: str | Path | Predictors, threshol
 
     model.ffn_block = SparseFFN(model, choose)
     return model
-
-
-EMBEDDED = "embedded"  # the predictors a checkpoint carries (a PowerInfer GGUF's, TurboSparse's), where it has them
-
-
-def default_predictors(path: str | Path, predictors=None, dense: bool = False):
-    """The predictors a CLI runs (python -m ref and fast.run alike): those given; with none given and not --dense, a
-    folder's predictors.safetensors, else the checkpoint's own (EMBEDDED: dense where it has none); None for dense."""
-    if predictors is not None or dense:
-        return predictors
-    beside = Path(path) / "predictors.safetensors"
-    if beside.is_file():
-        return beside
-    return EMBEDDED
 
 
 def predictors_to_run(cfg, source, own: Predictors | None, fmt: Format, threshold: float | None = None,

@@ -24,7 +24,7 @@ _replica: dict = {}  # this replica process's scheduler (each Ray Serve replica 
 def build_app(path: str, slots: int, ctx_size: int, batch_size: int, max_queue: int, threads: int | None,
               device: str, dense: bool, alias: str | None, api_key: str | None, host: str = "127.0.0.1"):
     """fast.serve's application over a scheduler that loads the model on its engine thread (run on the replica)."""
-    from ref.sparse import default_predictors
+    from ref.common.artifacts import default_predictors
     from fast.server.app import serving
 
     model = Path(path)

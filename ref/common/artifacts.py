@@ -22,6 +22,20 @@ from ref.common.errors import UserError
 from ref.common.safetensors import checkpoint_files, open_safetensors, read_header, upcast, write_safetensors
 
 
+EMBEDDED = "embedded"  # the predictors a checkpoint carries (a PowerInfer GGUF's, TurboSparse's), where it has them
+
+
+def default_predictors(path: str | Path, predictors=None, dense: bool = False):
+    """The predictors a CLI runs (every CLI that loads a model alike): those given; with none given and not --dense, a
+    folder's predictors.safetensors, else the checkpoint's own (EMBEDDED: dense where it has none); None for dense."""
+    if predictors is not None or dense:
+        return predictors
+    beside = Path(path) / "predictors.safetensors"
+    if beside.is_file():
+        return beside
+    return EMBEDDED
+
+
 def check_replaceable(path: str | Path, flag: str = "-o/--output") -> None:
     """A path a command may write a file to: absent, a regular file or a link (the rename replaces the link, not
     what it names); never a folder, a device, a FIFO or a socket, which a rename would replace with a file."""

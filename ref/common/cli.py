@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ref.common.artifacts import check_replaceable, check_sparsity
+from ref.common.artifacts import check_replaceable, check_sparsity, default_predictors
 from ref.common.batch import KV_DEFAULT, KV_FORMATS
 from ref.common.errors import Terminated, UserError, exit_interrupted, lost_interrupts_raised, quit_on_ctrl_c, terminate
 from ref.common.formats import FORMATS
@@ -160,8 +160,8 @@ kv_cache_options = flag_group(KV_FLAGS)  # -ctk and -ctv, as the arguments cache
 
 @dataclass
 class PredictorFlags:
-    """The FFN's predictor flags of every CLI that loads a model, with the same defaults (ref.sparse.default_predictors,
-    predictors_to_run): sparse with the model's predictors unless --dense."""
+    """The FFN's predictor flags of every CLI that loads a model, with the same defaults (default_predictors,
+    ref.sparse.predictors_to_run): sparse with the model's predictors unless --dense."""
 
     dense: bool
     predictors: Path | None
@@ -176,6 +176,11 @@ class PredictorFlags:
             flag = "--predictor-threshold" if self.predictor_threshold is not None else "--predictor-type"
             raise UserError(f"--dense runs no predictors: {flag} has nothing to act on")
         return self
+
+    def options(self, path) -> dict:
+        """The keyword arguments of load_engine and ref.load_model these flags set for the model at `path`."""
+        return dict(predictors=default_predictors(path, self.predictors, dense=self.dense),
+                    predictor_threshold=self.predictor_threshold, predictor_type=self.predictor_type)
 
 
 PREDICTOR_FLAGS = [

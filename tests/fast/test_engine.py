@@ -13,7 +13,7 @@ from ref.common.errors import UserError
 from ref.common.formats import FORMATS
 from ref.common.artifacts import Predictors
 from ref.quant import Quantized, predictor_format, predictors_beside, quantize, quantize_model
-from ref.sparse import default_predictors
+from ref.common.artifacts import default_predictors
 from tests.fast.conftest import sparse_engine, sparse_model
 from tests.helpers import SHIPPED, assert_close, write_model
 

@@ -142,7 +142,7 @@ def test_hybrid_matches_ref(name):
 def test_a_checkpoint_s_own_predictors_run_by_default(tmp_path):
     """TurboSparse's folder: fast.run's default (no predictors file beside it) runs the predictors it carries."""
     from fast.load import load_engine
-    from ref.sparse import EMBEDDED, default_predictors
+    from ref.common.artifacts import EMBEDDED, default_predictors
     from ref.common.checkpoint import load_checkpoint
     d = turbosparse(tmp_path)
     assert default_predictors(d) == EMBEDDED and default_predictors(d, dense=True) is None
