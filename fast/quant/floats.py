@@ -1,5 +1,6 @@
-"""Float formats' rows: f16 and bf16 bits decoded to float32 (`load`), and the 4 x 4 tiles of several tokens'
-products (dot4x4)."""
+"""Float formats' rows (f32; f16 and bf16 bits): decoded to float32 (`load`, `widen`) and written (`put`), their
+products with float32 tokens in one arithmetic (_float_products; the 4 x 4 tiles of several tokens', dot4x4), the
+attention's tiles, and the row operations on such rows (`Floats`)."""
 
 import numpy as np
 from llvmlite import ir
