@@ -72,14 +72,13 @@ def main(model_dir, model, text_file, ctx, chunks, threads, type_, pred: Predict
     w = load_checkpoint(path)
     if not 2 <= ctx <= w.config.max_seq_len:
         raise UserError(f"-c/--ctx-size must be in [2, {w.config.max_seq_len}] (the model's context), got {ctx}")
-    predictors = pred.options(path)
     tok = load_tokenizer(path)
     tokens = np.asarray([i for ids, _ in corpus_tokens(tok, text_file) for i in ids], dtype=np.int64)
     if len(tokens) < 2 * ctx:
         raise UserError(f"-f/--file {text_file}: {len(tokens)} tokens; scoring with -c {ctx} needs at least {2 * ctx}")
     n_chunks = len(tokens) // ctx if chunks < 0 else min(chunks, len(tokens) // ctx)
     engine = load_engine(path, threads=threads, type_=type_, notice=say_compiling,
-                         cache_types=cache_types(cache_type_k, cache_type_v), **predictors, **act.options())
+                         cache_types=cache_types(cache_type_k, cache_type_v), **pred.options(path), **act.options())
     kind = ("predictor-sparse" if engine.selector.predicts else "dense") + act.about()
     click.echo(f"perplexity: {len(tokens):,} tokens, {n_chunks} chunks of {ctx}, scoring the second half of each; "
                f"weights {engine.format.name}, KV cache {'/'.join(engine.kv_types)}, FFN {kind}", err=True)
